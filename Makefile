@@ -1,0 +1,33 @@
+# splatflow: `make demo` sets everything up and runs the pipeline on the demo scene; `make test` runs the tests.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+export OMP_WAIT_POLICY := PASSIVE
+export MLFLOW_DISABLE_TELEMETRY := true
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export DO_NOT_TRACK := 1
+
+.PHONY: venv demo test repro clean-outputs
+
+# torch==2.13.0 (CPU) is pinned in pyproject.toml; gsplat goes in without its deps, which would pull another torch.
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -U pip
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps gsplat==1.5.3 lpips==0.1.4
+	@# lpips is installed only for its v0.1 linear-layer files; its torchvision dependency is not used.
+	@! $(PY) -m pip check | grep -v '^lpips .* torchvision' | grep .
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: venv
+	$(VENV)/bin/splatflow demo-scene
+	$(VENV)/bin/splatflow run demo
+
+repro: venv
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/dvc repro
+
+test: venv
+	$(PY) -m pytest -q

@@ -1,0 +1,172 @@
+"""The ``splatflow`` command line: scenes in, DVC pipeline runs, servers and run tracking."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from splatflow.config import ConfigError, load_params
+from splatflow.paths import project_root
+
+app = typer.Typer(help="splatflow: reproducible 3D Gaussian Splatting (ingest → sfm → split → train → prune → "
+                       "evaluate → export)", no_args_is_help=True, add_completion=False)
+
+VIDEO_SUFFIXES = {".mp4", ".mov", ".avi", ".mkv", ".m4v", ".webm"}
+
+
+def _fail(msg: str) -> None:
+    typer.secho(f"error: {msg}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(2)
+
+
+def _root() -> Path:
+    root = project_root()
+    if not (root / "params.yaml").exists():
+        _fail(f"no params.yaml in {root} or its parents; run splatflow from the project folder")
+    return root
+
+
+def _venv_env(root: Path) -> dict:
+    """Environment for DVC: the project venv first on PATH, because dvc.yaml's `python` is the first on PATH."""
+    env = os.environ.copy()
+    bindir = Path(sys.executable).parent
+    env["PATH"] = f"{bindir}{os.pathsep}{env.get('PATH', '')}"
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return env
+
+
+def _dvc() -> str:
+    exe = Path(sys.executable).parent / "dvc"
+    return str(exe) if exe.exists() else (shutil.which("dvc") or "dvc")
+
+
+@app.command("demo-scene")
+def demo_scene(
+    out: Path = typer.Option(Path("data/raw/demo"), help="output folder (images/ and ground_truth/ inside)"),
+    views: Optional[int] = typer.Option(None, help="number of views (default: the demo's)"),
+    width: Optional[int] = typer.Option(None, help="image width in pixels"),
+    height: Optional[int] = typer.Option(None, help="image height in pixels"),
+    arc: Optional[float] = typer.Option(None, help="orbit arc in degrees (360 = full orbit)"),
+    seed: Optional[int] = typer.Option(None, help="random seed (the scene is deterministic for a seed)"),
+    force: bool = typer.Option(False, help="rewrite the scene even if it exists"),
+):
+    """Write the synthetic demo scene (a textured room with boxes) with its true cameras."""
+    from splatflow.scene import synthetic
+
+    options = dict(synthetic.DEMO_DEFAULTS)
+    for key, value in (("views", views), ("width", width), ("height", height), ("arc_deg", arc), ("seed", seed)):
+        if value is not None:
+            options[key] = value
+    images = out / "images"
+    if images.is_dir() and any(images.iterdir()) and not force:
+        typer.echo(f"{out}: demo scene already there (use --force to rewrite it)")
+        return
+    synthetic.write_scene(out, **options)
+    typer.echo(f"wrote {out} ({options})")
+
+
+@app.command("add-scene")
+def add_scene(
+    name: str = typer.Argument(..., help="scene name (letters, digits, - and _)"),
+    path: Path = typer.Argument(..., help="a folder of images or a video file"),
+    ground_truth: Optional[Path] = typer.Option(None, help="true cameras (COLMAP text model folder, "
+                                                           "cameras.json or Strecha camera folder)"),
+    force: bool = typer.Option(False, help="replace an existing scene of that name"),
+):
+    """Register a folder of images or a video as a scene in params.yaml (keeps the file's comments)."""
+    from ruamel.yaml import YAML
+
+    root = _root()
+    if not path.exists():
+        _fail(f"{path} does not exist; give a folder of images or a video file")
+    if path.is_file() and path.suffix.lower() not in VIDEO_SUFFIXES:
+        _fail(f"{path} is a file but not a video ({', '.join(sorted(VIDEO_SUFFIXES))}); "
+              "give a folder of images or a video file")
+    if not all(c.isalnum() or c in "-_" for c in name):
+        _fail(f"scene name {name!r}: use letters, digits, '-' and '_' only")
+    params_path = root / "params.yaml"
+    yaml = YAML()
+    yaml.preserve_quotes = True
+    data = yaml.load(params_path.read_text())
+    scenes = data.setdefault("base", {}).setdefault("scenes", {})
+    if name in scenes and not force:
+        _fail(f"scene {name!r} is already in params.yaml (use --force to replace it)")
+
+    def rel(p: Path) -> str:
+        p = p.resolve()
+        try:
+            return str(p.relative_to(root))
+        except ValueError:
+            return str(p)
+
+    entry = {"source": rel(path)}
+    if ground_truth is not None:
+        if not ground_truth.exists():
+            _fail(f"{ground_truth} does not exist")
+        entry["ground_truth"] = rel(ground_truth)
+    scenes[name] = entry
+    tmp = params_path.with_suffix(".yaml.tmp")
+    with tmp.open("w") as f:
+        yaml.dump(data, f)
+    try:
+        load_params(tmp)  # never leave an invalid params.yaml behind
+    except ConfigError as e:
+        tmp.unlink()
+        _fail(str(e))
+    os.replace(tmp, params_path)
+    typer.echo(f"added scene {name!r} -> {entry['source']}; run it with `splatflow run {name}`")
+
+
+def scene_stage_names(root: Path, scene: str) -> list[str]:
+    """``<stage>@<scene>`` for every stage in dvc.yaml, in file order."""
+    from ruamel.yaml import YAML
+
+    stages = YAML(typ="safe").load((root / "dvc.yaml").read_text())["stages"]
+    return [f"{name}@{scene}" if "foreach" in spec else name for name, spec in stages.items()]
+
+
+@app.command("run")
+def run(
+    scene: Optional[str] = typer.Argument(None, help="scene to run (default: every scene in params.yaml)"),
+    force: bool = typer.Option(False, help="rerun stages even if DVC finds them up to date"),
+):
+    """Run the pipeline with DVC (only what changed reruns)."""
+    root = _root()
+    try:
+        params = load_params(root / "params.yaml")
+        scenes = [scene] if scene else sorted(params.base.scenes)
+        for s in scenes:
+            params.scene(s)
+    except ConfigError as e:
+        _fail(str(e))
+    targets = [t for s in scenes for t in scene_stage_names(root, s)]
+    cmd = [_dvc(), "repro", *targets] + (["--force"] if force else [])
+    typer.echo("$ " + " ".join(["dvc", *cmd[1:]]))
+    rc = subprocess.call(cmd, cwd=root, env=_venv_env(root))
+    if rc != 0:
+        raise typer.Exit(rc)
+    for s in scenes:
+        typer.echo(f"\n{s}: metrics in metrics/{s}/ ; `dvc metrics show` to see them")
+
+
+def _register_ops() -> None:
+    from splatflow import ops_cli
+
+    ops_cli.register(app)
+
+
+try:
+    _register_ops()
+except ImportError as e:  # orchestration commands need prefect/mlflow; the core CLI must still work without them
+    if "splatflow.ops_cli" not in str(e) and "ops_cli" not in str(e):
+        raise
+
+
+if __name__ == "__main__":
+    app()

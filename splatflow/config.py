@@ -1,0 +1,485 @@
+"""Strict, typed configuration: one frozen dataclass per ``params.yaml`` section.
+
+``params.yaml`` is DVC's parameter file, so a typo there would otherwise silently fall back to a default and
+make a run that looks reproducible but is not. The loader therefore refuses unknown keys, wrong types and
+out-of-range values, and every error names the full key (``train.max_steps``) and what is allowed.
+
+Range checks live in each dataclass's ``__post_init__`` through :func:`check`; the loader handles types,
+nesting (a dataclass-typed field is loaded from a mapping, ``list[X]`` from a list, ``Literal`` from its choices)
+and unknown keys generically.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A params.yaml value that is unknown, of the wrong type or out of range."""
+
+
+def check(ok: bool, key: str, allowed: str, value: Any) -> None:
+    """Raise a ConfigError naming ``key`` unless ``ok``."""
+    if not ok:
+        raise ConfigError(f"params.yaml: {key} = {value!r} is not allowed; expected {allowed}")
+
+
+# --------------------------------------------------------------------------------------------- sections
+
+
+@dataclass(frozen=True)
+class SceneSource:
+    """One scene: where its raw capture lives and, optionally, its true cameras."""
+
+    source: str  # folder of images or a video file; never modified
+    ground_truth: str | None = None  # COLMAP text model folder, generator cameras.json, or Strecha camera folder
+
+
+@dataclass(frozen=True)
+class BaseConfig:
+    scenes: dict[str, SceneSource] = field(default_factory=dict)
+    seed: int = 0
+    threads: int = 2  # numba + torch threads per stage process
+
+    def __post_init__(self):
+        check(self.threads >= 1, "base.threads", "an integer >= 1", self.threads)
+        for name in self.scenes:
+            check(
+                bool(name) and all(c.isalnum() or c in "-_" for c in name),
+                f"base.scenes.{name}",
+                "a scene name of letters, digits, '-' and '_'",
+                name,
+            )
+
+
+@dataclass(frozen=True)
+class IngestConfig:
+    min_side_px: int = 64  # images whose shorter side is smaller are rejected
+    blur_rel_threshold: float = 0.35  # reject if sharpness < threshold * median sharpness of neighbours
+    blur_window: int = 7  # neighbours (by name order) the sharpness is compared with
+    blur_measure_width: int = 640  # sharpness is measured after resizing to this width (it depends on resolution)
+    dedupe_max_distance: int = 4  # perceptual-hash Hamming distance (of 64 bits) at or below which images are duplicates
+    video_frames: int = 60  # frames to extract from a video source
+    image_format: Literal["jpg", "png"] = "jpg"
+    jpeg_quality: int = 95
+
+    def __post_init__(self):
+        check(self.min_side_px >= 8, "ingest.min_side_px", "an integer >= 8", self.min_side_px)
+        check(0.0 <= self.blur_rel_threshold < 1.0, "ingest.blur_rel_threshold", "a number in [0, 1)",
+              self.blur_rel_threshold)
+        check(self.blur_window >= 2, "ingest.blur_window", "an integer >= 2", self.blur_window)
+        check(self.blur_measure_width >= 64, "ingest.blur_measure_width", "an integer >= 64",
+              self.blur_measure_width)
+        check(0 <= self.dedupe_max_distance <= 32, "ingest.dedupe_max_distance", "an integer in [0, 32]",
+              self.dedupe_max_distance)
+        check(self.video_frames >= 3, "ingest.video_frames", "an integer >= 3", self.video_frames)
+        check(50 <= self.jpeg_quality <= 100, "ingest.jpeg_quality", "an integer in [50, 100]", self.jpeg_quality)
+
+
+@dataclass(frozen=True)
+class SfmConfig:
+    camera_model: Literal["SIMPLE_PINHOLE", "PINHOLE", "SIMPLE_RADIAL", "RADIAL", "OPENCV"] = "SIMPLE_RADIAL"
+    # "auto": exhaustive up to `exhaustive_max_images` images, sequential beyond (or for video sources).
+    matcher: Literal["auto", "exhaustive", "sequential"] = "auto"
+    exhaustive_max_images: int = 120
+    sequential_overlap: int = 10
+    mapper: Literal["incremental", "global"] = "incremental"
+    max_num_features: int = 8192
+    min_registered_fraction: float = 0.8  # fewer registered images than this fraction fails the stage
+    refine_principal_point: bool = False
+
+    def __post_init__(self):
+        check(self.exhaustive_max_images >= 2, "sfm.exhaustive_max_images", "an integer >= 2",
+              self.exhaustive_max_images)
+        check(self.sequential_overlap >= 1, "sfm.sequential_overlap", "an integer >= 1", self.sequential_overlap)
+        check(self.max_num_features >= 256, "sfm.max_num_features", "an integer >= 256", self.max_num_features)
+        check(0.0 < self.min_registered_fraction <= 1.0, "sfm.min_registered_fraction", "a number in (0, 1]",
+              self.min_registered_fraction)
+
+
+@dataclass(frozen=True)
+class SplitConfig:
+    rule: Literal["every_nth", "fraction"] = "every_nth"
+    every_n: int = 8  # index % every_n == 0 is a test view (the standard protocol)
+    test_fraction: float = 0.125  # for rule "fraction": evenly spaced test views
+
+    def __post_init__(self):
+        check(self.every_n >= 2, "split.every_n", "an integer >= 2", self.every_n)
+        check(0.0 < self.test_fraction < 1.0, "split.test_fraction", "a number in (0, 1)", self.test_fraction)
+
+
+@dataclass(frozen=True)
+class ResolutionPhase:
+    """One progressive-resolution phase: train at ``factor`` x full resolution from its start on.
+
+    Give the start either as an absolute step (``start_step``) or as a fraction of ``train.max_steps``
+    (``start_fraction``), not both.
+    """
+
+    factor: float
+    start_step: int | None = None
+    start_fraction: float | None = None
+
+    def __post_init__(self):
+        check(0.0 < self.factor <= 1.0, "train.resolution[].factor", "a number in (0, 1]", self.factor)
+        check((self.start_step is None) != (self.start_fraction is None), "train.resolution[]",
+              "exactly one of start_step or start_fraction", (self.start_step, self.start_fraction))
+        if self.start_step is not None:
+            check(self.start_step >= 0, "train.resolution[].start_step", "an integer >= 0", self.start_step)
+        if self.start_fraction is not None:
+            check(0.0 <= self.start_fraction < 1.0, "train.resolution[].start_fraction", "a number in [0, 1)",
+                  self.start_fraction)
+
+
+def _default_phases() -> tuple[ResolutionPhase, ...]:
+    return (ResolutionPhase(0.125, start_fraction=0.0), ResolutionPhase(0.25, start_fraction=0.05),
+            ResolutionPhase(0.5, start_fraction=0.15), ResolutionPhase(0.75, start_fraction=0.35),
+            ResolutionPhase(1.0, start_fraction=0.6))
+
+
+@dataclass(frozen=True)
+class BlurConfig:
+    """Progressive blur of render and target: sigma (px at the current resolution) falls linearly to 0."""
+
+    sigma_start_px: float = 2.4
+    end_fraction: float = 0.5  # sigma reaches 0 at this fraction of max_steps
+
+    def __post_init__(self):
+        check(self.sigma_start_px >= 0.0, "train.blur.sigma_start_px", "a number >= 0", self.sigma_start_px)
+        check(0.0 <= self.end_fraction <= 1.0, "train.blur.end_fraction", "a number in [0, 1]", self.end_fraction)
+
+
+@dataclass(frozen=True)
+class LearningRates:
+    """Adam learning rate per parameter group (3DGS reference values; means scaled by the scene scale)."""
+
+    means: float = 1.6e-4
+    means_final_factor: float = 0.01  # means lr decays exponentially to this factor at max_steps
+    scales: float = 5e-3
+    quats: float = 1e-3
+    opacities: float = 5e-2
+    sh0: float = 2.5e-3
+    shN: float = 2.5e-3 / 20
+
+    def __post_init__(self):
+        for name in ("means", "scales", "quats", "opacities", "sh0", "shN"):
+            v = getattr(self, name)
+            check(0.0 < v < 1.0, f"train.lr.{name}", "a number in (0, 1)", v)
+        check(0.0 < self.means_final_factor <= 1.0, "train.lr.means_final_factor", "a number in (0, 1]",
+              self.means_final_factor)
+
+
+@dataclass(frozen=True)
+class DensifyConfig:
+    """Densification policy (gsplat strategies) and the Gaussian budget (Taming 3DGS)."""
+
+    strategy: Literal["default", "mcmc", "none"] = "default"
+    refine_start_fraction: float = 0.05
+    refine_stop_fraction: float = 0.6
+    refine_every: int = 100
+    reset_every: int = 3000  # opacity reset period (default strategy); 0 disables
+    grow_grad2d: float = 0.0002
+    grow_scale3d: float = 0.01
+    prune_opa: float = 0.005
+    prune_scale3d: float = 0.1
+    absgrad: bool = False
+    max_gaussians: int = 1_000_000  # hard cap on the count
+    budget_multiplier: float = 15.0  # cap = min(max_gaussians, budget_multiplier * initial count)
+    mcmc_noise_lr: float = 5e5
+    mcmc_min_opacity: float = 0.005
+    mcmc_scale_reg: float = 0.01
+    mcmc_opacity_reg: float = 0.01
+
+    def __post_init__(self):
+        check(0.0 <= self.refine_start_fraction <= self.refine_stop_fraction <= 1.0,
+              "train.densify.refine_start_fraction/refine_stop_fraction", "0 <= start <= stop <= 1",
+              (self.refine_start_fraction, self.refine_stop_fraction))
+        check(self.refine_every >= 1, "train.densify.refine_every", "an integer >= 1", self.refine_every)
+        check(self.reset_every >= 0, "train.densify.reset_every", "an integer >= 0 (0 disables)", self.reset_every)
+        check(self.grow_grad2d > 0, "train.densify.grow_grad2d", "a number > 0", self.grow_grad2d)
+        check(self.grow_scale3d > 0, "train.densify.grow_scale3d", "a number > 0", self.grow_scale3d)
+        check(0.0 <= self.prune_opa < 1.0, "train.densify.prune_opa", "a number in [0, 1)", self.prune_opa)
+        check(self.prune_scale3d > 0, "train.densify.prune_scale3d", "a number > 0", self.prune_scale3d)
+        check(self.max_gaussians >= 1, "train.densify.max_gaussians", "an integer >= 1", self.max_gaussians)
+        check(self.budget_multiplier >= 1.0, "train.densify.budget_multiplier", "a number >= 1",
+              self.budget_multiplier)
+        check(self.mcmc_noise_lr >= 0, "train.densify.mcmc_noise_lr", "a number >= 0", self.mcmc_noise_lr)
+        check(0.0 <= self.mcmc_min_opacity < 1.0, "train.densify.mcmc_min_opacity", "a number in [0, 1)",
+              self.mcmc_min_opacity)
+        check(self.mcmc_scale_reg >= 0, "train.densify.mcmc_scale_reg", "a number >= 0", self.mcmc_scale_reg)
+        check(self.mcmc_opacity_reg >= 0, "train.densify.mcmc_opacity_reg", "a number >= 0", self.mcmc_opacity_reg)
+
+
+@dataclass(frozen=True)
+class EarlyStopConfig:
+    """PSNR-plateau early stop on a few TRAINING views (never test views).
+
+    ``patience_steps`` is given for a ``reference_steps``-long run and scaled linearly to ``max_steps``.
+    The plateau is only judged once the last resolution phase has started and the blur has ended: before that,
+    PSNR moves because the schedule moves.
+    """
+
+    enabled: bool = True
+    eval_every: int = 100
+    patience_steps: int = 1000
+    reference_steps: int = 30000
+    min_delta_db: float = 0.1
+    val_views: int = 3
+    val_factor: float = 0.5  # resolution factor the validation renders use
+
+    def __post_init__(self):
+        check(self.eval_every >= 1, "train.early_stop.eval_every", "an integer >= 1", self.eval_every)
+        check(self.patience_steps >= 1, "train.early_stop.patience_steps", "an integer >= 1", self.patience_steps)
+        check(self.reference_steps >= 1, "train.early_stop.reference_steps", "an integer >= 1",
+              self.reference_steps)
+        check(self.min_delta_db >= 0, "train.early_stop.min_delta_db", "a number >= 0", self.min_delta_db)
+        check(self.val_views >= 1, "train.early_stop.val_views", "an integer >= 1", self.val_views)
+        check(0.0 < self.val_factor <= 1.0, "train.early_stop.val_factor", "a number in (0, 1]", self.val_factor)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Training (issue 4): every behaviour of the loop is one of these named settings."""
+
+    max_steps: int = 6000
+    sh_degree: int = 3  # highest SH degree (its coefficients are allocated from the start)
+    sh_degree_interval: int = 1000  # active SH degree rises by one every this many steps
+    init_opacity: float = 0.1
+    init_scale: float = 1.0  # multiplies the mean 3-NN distance
+    ssim_lambda: float = 0.2  # loss = (1 - l) L1 + l (1 - SSIM)
+    random_background: bool = False
+    backend: Literal["auto", "cpu", "cuda", "torch"] = "auto"
+    lr: LearningRates = field(default_factory=LearningRates)
+    resolution: tuple[ResolutionPhase, ...] = field(default_factory=_default_phases)
+    blur: BlurConfig = field(default_factory=BlurConfig)
+    densify: DensifyConfig = field(default_factory=DensifyConfig)
+    early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
+    checkpoint_every: int = 1000
+    resume: bool = True  # continue from an unfinished checkpoint of the same config
+    log_every: int = 10  # rows in plots/S/train.csv and batched MLflow step metrics
+    image_cache_mb: int = 2048
+    progress: bool = True
+
+    def __post_init__(self):
+        check(self.max_steps >= 1, "train.max_steps", "an integer >= 1", self.max_steps)
+        check(0 <= self.sh_degree <= 3, "train.sh_degree", "an integer in [0, 3]", self.sh_degree)
+        check(self.sh_degree_interval >= 1, "train.sh_degree_interval", "an integer >= 1", self.sh_degree_interval)
+        check(0.0 < self.init_opacity < 1.0, "train.init_opacity", "a number in (0, 1)", self.init_opacity)
+        check(self.init_scale > 0, "train.init_scale", "a number > 0", self.init_scale)
+        check(0.0 <= self.ssim_lambda <= 1.0, "train.ssim_lambda", "a number in [0, 1]", self.ssim_lambda)
+        check(len(self.resolution) >= 1, "train.resolution", "a non-empty list of phases", self.resolution)
+        starts = [p.start_step if p.start_step is not None else p.start_fraction * self.max_steps
+                  for p in self.resolution]
+        check(starts[0] == 0, "train.resolution[0]", "a first phase starting at step 0", self.resolution[0])
+        check(all(a < b for a, b in zip(starts, starts[1:])), "train.resolution",
+              "phases with strictly increasing starts", starts)
+        check(self.checkpoint_every >= 1, "train.checkpoint_every", "an integer >= 1", self.checkpoint_every)
+        check(self.log_every >= 1, "train.log_every", "an integer >= 1", self.log_every)
+        check(self.image_cache_mb >= 16, "train.image_cache_mb", "an integer >= 16", self.image_cache_mb)
+
+
+@dataclass(frozen=True)
+class PruneConfig:
+    pass
+
+
+LpipsVariant = Literal["lpips_vgg_01", "lpips_vgg", "lpips_alex"]
+
+
+@dataclass(frozen=True)
+class EvaluateConfig:
+    """Evaluation on the split's test views (DESIGN.md section 6).
+
+    ``lpips_variants``: ``lpips_vgg_01`` = VGG on [0, 1] inputs (3DGS paper code), ``lpips_vgg`` = VGG on
+    [-1, 1] (nerfbaselines), ``lpips_alex`` = AlexNet on [-1, 1] (gsplat, nerfstudio).
+    ``lpips_backbone_dir``: folder holding ``alexnet-owt-7be5be79.pth`` / ``vgg16-397923af.pth``; null means the
+    torch hub cache (``torch.hub.get_dir()/checkpoints``). Missing weights make LPIPS null with a reason.
+    """
+
+    lpips_variants: tuple[LpipsVariant, ...] = ("lpips_vgg_01", "lpips_vgg", "lpips_alex")
+    lpips_backbone_dir: str | None = None
+    backend: Literal["auto", "cpu", "cuda", "torch"] = "auto"
+    save_renders: bool = True  # data/S/renders/<view>.png: render | ground truth | error map
+    error_gain: float = 4.0  # the error map shows gain * |render - gt| (clipped), so small errors are visible
+    quantize_8bit: bool = False  # round renders to 8 bits before the metrics (as when comparing saved PNGs)
+
+    def __post_init__(self):
+        check(len(set(self.lpips_variants)) == len(self.lpips_variants), "evaluate.lpips_variants",
+              "a list without repeats", self.lpips_variants)
+        check(self.error_gain > 0, "evaluate.error_gain", "a number > 0", self.error_gain)
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    """Exported files (models/S/export/scene.<format>); each is read back and checked after writing."""
+
+    formats: tuple[Literal["ply", "splat", "spz"], ...] = ("ply", "splat", "spz")
+    spz_version: int = 3  # 3: smallest-three quaternions (10 bit); 2: xyz of the quaternion (8 bit)
+    # Our world frame follows COLMAP/PLY (x right, y down, z forward: "RDF"); SPZ stores RUB, so it is converted.
+    # "none" writes the coordinates unchanged (what Niantic's tools do when no frame is given).
+    spz_from_coordinates: Literal["RDF", "none"] = "RDF"
+
+    def __post_init__(self):
+        check(len(self.formats) >= 1 and len(set(self.formats)) == len(self.formats), "export.formats",
+              "a non-empty list of ply, splat, spz without repeats", self.formats)
+        check(self.spz_version in (2, 3), "export.spz_version", "2 or 3", self.spz_version)
+
+
+@dataclass(frozen=True)
+class Params:
+    base: BaseConfig = field(default_factory=BaseConfig)
+    ingest: IngestConfig = field(default_factory=IngestConfig)
+    sfm: SfmConfig = field(default_factory=SfmConfig)
+    split: SplitConfig = field(default_factory=SplitConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    prune: PruneConfig = field(default_factory=PruneConfig)
+    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+
+    def scene(self, name: str) -> SceneSource:
+        if name not in self.base.scenes:
+            known = ", ".join(sorted(self.base.scenes)) or "none"
+            raise ConfigError(
+                f"params.yaml: scene {name!r} is not in base.scenes (known: {known}); "
+                f"register it with `splatflow add-scene {name} PATH`"
+            )
+        return self.base.scenes[name]
+
+
+# --------------------------------------------------------------------------------------------- loader
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if dataclasses.is_dataclass(tp):
+        return f"a mapping ({tp.__name__})"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(value: Any, tp: Any, key: str) -> Any:
+    """Convert a YAML value to the annotated type, or raise ConfigError naming ``key``."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(value, arg, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if len(errors) == 1 else
+                          f"params.yaml: {key} = {value!r} is not allowed; expected "
+                          + " or ".join(_type_name(a) for a in args))
+    if origin is Literal:
+        check(value in args, key, _type_name(tp), value)
+        return value
+    if dataclasses.is_dataclass(tp):
+        if tp is SceneSource and isinstance(value, str):  # shorthand `name: path`
+            value = {"source": value}
+        check(isinstance(value, dict), key, _type_name(tp), value)
+        return _build(tp, value, key)
+    if origin in (list, tuple):
+        check(isinstance(value, (list, tuple)), key, "a list", value)
+        if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
+            check(len(value) == len(args), key, f"a list of {len(args)} items", value)
+            return tuple(_convert(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+        item_tp = args[0] if args else Any
+        out = [_convert(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+        return tuple(out)  # frozen configs hold tuples
+    if origin is dict:
+        check(isinstance(value, dict), key, "a mapping", value)
+        k_tp, v_tp = args if args else (Any, Any)
+        return {str(k): _convert(v, v_tp, f"{key}.{k}") for k, v in value.items()}
+    if tp is bool:
+        check(isinstance(value, bool), key, "true or false", value)
+        return value
+    if tp is int:
+        check(isinstance(value, int) and not isinstance(value, bool), key, "an integer", value)
+        return value
+    if tp is float:
+        check(isinstance(value, (int, float)) and not isinstance(value, bool), key, "a number", value)
+        return float(value)
+    if tp is str:
+        check(isinstance(value, str), key, "a string", value)
+        return value
+    raise ConfigError(f"params.yaml: {key}: unsupported type {tp!r} in the config schema")
+
+
+def _build(cls: type, data: dict, prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        allowed = ", ".join(sorted(fields)) or "(no keys)"
+        raise ConfigError(
+            f"params.yaml: unknown key {prefix + '.' if prefix else ''}{unknown[0]}; "
+            f"allowed keys{' in ' + prefix if prefix else ''}: {allowed}"
+        )
+    kwargs = {}
+    for name, value in data.items():
+        key = f"{prefix}.{name}" if prefix else name
+        kwargs[name] = _convert(value, hints[name], key)
+    return cls(**kwargs)
+
+
+def params_from_dict(data: dict | None) -> Params:
+    """Build :class:`Params` from a parsed params.yaml mapping (strict)."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError("params.yaml: the top level must be a mapping of sections")
+    return _build(Params, data, "")
+
+
+def load_params(path: str | Path = "params.yaml") -> Params:
+    """Load and validate ``params.yaml``."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"{path}: not found; run from the project root (where params.yaml lives)")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+    return params_from_dict(data)
+
+
+def section_dict(cfg: Any) -> dict:
+    """A config dataclass as plain nested dicts/lists (for logging and JSON)."""
+
+    def plain(v):
+        if dataclasses.is_dataclass(v):
+            return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        return v
+
+    return plain(cfg)
+
+
+def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    """``{"train": {"lr": {"means": 1}}}`` -> ``{"train.lr.means": 1}`` (lists kept as values)."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if isinstance(v, dict):
+            out.update(flatten(v, key))
+        else:
+            out[key] = v
+    return out

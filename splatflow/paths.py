@@ -1,0 +1,86 @@
+"""Fixed per-scene paths: the same paths are the DVC ``outs`` in dvc.yaml (docs/CONTRACTS.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def project_root(start: str | Path | None = None) -> Path:
+    """The folder holding params.yaml and dvc.yaml (searching upwards from ``start`` or the cwd)."""
+    here = Path(start or Path.cwd()).resolve()
+    for p in (here, *here.parents):
+        if (p / "params.yaml").exists() and (p / "dvc.yaml").exists():
+            return p
+    return here
+
+
+@dataclass(frozen=True)
+class ScenePaths:
+    scene: str
+    root: Path = Path(".")
+
+    def __post_init__(self):
+        object.__setattr__(self, "root", Path(self.root))
+
+    # data/<scene>/
+    @property
+    def data_dir(self) -> Path:
+        return self.root / "data" / self.scene
+
+    @property
+    def images_dir(self) -> Path:
+        return self.data_dir / "images"
+
+    @property
+    def sparse_dir(self) -> Path:
+        return self.data_dir / "sparse"
+
+    @property
+    def undistorted_dir(self) -> Path:
+        return self.data_dir / "undistorted"
+
+    @property
+    def split_json(self) -> Path:
+        return self.data_dir / "split.json"
+
+    @property
+    def renders_dir(self) -> Path:
+        return self.data_dir / "renders"
+
+    # models/<scene>/
+    @property
+    def models_dir(self) -> Path:
+        return self.root / "models" / self.scene
+
+    @property
+    def train_ckpt(self) -> Path:
+        return self.models_dir / "train" / "ckpt.pt"
+
+    @property
+    def prune_ckpt(self) -> Path:
+        return self.models_dir / "prune" / "ckpt.pt"
+
+    @property
+    def export_dir(self) -> Path:
+        return self.models_dir / "export"
+
+    # metrics/<scene>/ and plots/<scene>/
+    @property
+    def metrics_dir(self) -> Path:
+        return self.root / "metrics" / self.scene
+
+    def metrics_json(self, stage: str) -> Path:
+        return self.metrics_dir / f"{stage}.json"
+
+    @property
+    def per_view_csv(self) -> Path:
+        return self.metrics_dir / "per_view.csv"
+
+    @property
+    def plots_dir(self) -> Path:
+        return self.root / "plots" / self.scene
+
+    @property
+    def train_csv(self) -> Path:
+        return self.plots_dir / "train.csv"

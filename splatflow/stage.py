@@ -1,0 +1,104 @@
+"""The shared shell around every DVC stage: arguments, params, seeds, threads, metrics, errors, tracking.
+
+A stage module keeps only its work (``run(params, paths) -> metrics``); everything every stage must do the
+same way lives here, so that a stage run by ``dvc repro``, by a Prefect task or by hand behaves identically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from splatflow.config import ConfigError, Params, load_params
+from splatflow.errors import UserError
+from splatflow.paths import ScenePaths
+
+RunFn = Callable[[Params, ScenePaths], dict]
+
+
+def _json_safe(value):
+    """NaN/Inf are not JSON; DVC and MLflow both choke on them, so they become null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if hasattr(value, "item") and callable(value.item):  # numpy / torch scalars
+        return _json_safe(value.item())
+    return value
+
+
+def write_metrics(paths: ScenePaths, stage: str, metrics: dict) -> Path:
+    """Write one stage's metrics dict, once, to ``metrics/<scene>/<stage>.json`` (atomically)."""
+    out = paths.metrics_json(stage)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(_json_safe(metrics), indent=2, sort_keys=False) + "\n")
+    os.replace(tmp, out)
+    return out
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed)
+    except ImportError:  # pragma: no cover - numpy is a hard dependency
+        pass
+    if "torch" in sys.modules:
+        sys.modules["torch"].manual_seed(seed)
+
+
+def configure_threads(n: int) -> None:
+    """Pin numba and torch thread counts without their OpenMP runtimes fighting (DESIGN.md §3)."""
+    from splatflow.render import configure_threads as _configure
+
+    _configure(n)
+
+
+def _tracking(stage: str, scene: str, params: Params, paths: ScenePaths):
+    from splatflow import tracking
+
+    return tracking.stage_tracking(stage, scene, params, paths)
+
+
+def stage_main(stage: str, run: RunFn, argv: list[str] | None = None, *, needs_threads: bool = True) -> None:
+    """Entry point shared by ``python -m stages.<stage> <scene>``."""
+    parser = argparse.ArgumentParser(prog=f"python -m stages.{stage}", description=f"splatflow {stage} stage")
+    parser.add_argument("scene", help="scene name (a key of base.scenes in params.yaml)")
+    parser.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
+    args = parser.parse_args(argv)
+    try:
+        params = load_params(args.params)
+        params.scene(args.scene)  # fails clearly for an unknown scene
+    except ConfigError as e:
+        print(f"splatflow {stage}: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+    paths = ScenePaths(args.scene, Path(args.params).resolve().parent)
+    seed_everything(params.base.seed)
+    if needs_threads:
+        configure_threads(params.base.threads)
+
+    t0 = time.perf_counter()
+    try:
+        with _tracking(stage, args.scene, params, paths) as tracker:
+            metrics = run(params, paths)
+            metrics = dict(metrics or {})
+            metrics.setdefault("stage_seconds", round(time.perf_counter() - t0, 3))
+            write_metrics(paths, stage, metrics)
+            tracker.log_result(metrics)
+    except (UserError, ConfigError) as e:
+        print(f"\nsplatflow {stage} [{args.scene}] failed: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(f"splatflow {stage} [{args.scene}]: done in {time.perf_counter() - t0:.1f} s "
+          f"-> {paths.metrics_json(stage)}")

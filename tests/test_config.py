@@ -1,0 +1,53 @@
+import textwrap
+
+import pytest
+
+from splatflow.config import ConfigError, Params, load_params, params_from_dict
+
+
+def test_repo_params_load():
+    p = load_params("params.yaml")
+    assert isinstance(p, Params)
+    assert "demo" in p.base.scenes
+    assert p.split.every_n == 8
+
+
+@pytest.mark.parametrize(
+    "data, key, allowed",
+    [
+        ({"sfm": {"matcher": "vocab_tree"}}, "sfm.matcher", "'exhaustive'"),  # would abort pycolmap: not allowed
+        ({"split": {"every_m": 8}}, "split.every_m", "every_n"),  # unknown key lists the allowed keys
+        ({"split": {"every_n": "8"}}, "split.every_n", "an integer"),  # wrong type
+        ({"split": {"every_n": 1}}, "split.every_n", ">= 2"),  # out of range
+        ({"base": {"threads": 0}}, "base.threads", ">= 1"),
+        ({"ingest": {"blur_rel_threshold": 1.5}}, "ingest.blur_rel_threshold", "[0, 1)"),
+        ({"sfm": {"refine_principal_point": "yes"}}, "sfm.refine_principal_point", "true or false"),
+        ({"nonsense": {}}, "nonsense", "allowed keys"),
+        ({"base": {"scenes": {"a b": "x"}}}, "base.scenes.a b", "letters"),
+    ],
+)
+def test_bad_values_name_key_and_allowed(data, key, allowed):
+    with pytest.raises(ConfigError) as e:
+        params_from_dict(data)
+    assert key in str(e.value)
+    assert allowed in str(e.value)
+
+
+def test_scene_shorthand_and_unknown_scene(tmp_path):
+    f = tmp_path / "params.yaml"
+    f.write_text(textwrap.dedent("""
+        base:
+          scenes:
+            garden: raw/garden.mp4
+    """))
+    p = load_params(f)
+    assert p.scene("garden").source == "raw/garden.mp4"
+    assert p.scene("garden").ground_truth is None
+    with pytest.raises(ConfigError, match="add-scene"):
+        p.scene("kitchen")
+
+
+def test_configs_are_frozen():
+    p = params_from_dict({})
+    with pytest.raises(Exception):
+        p.split.every_n = 3  # type: ignore[misc]
