@@ -60,7 +60,7 @@ def demo_scene(
     from splatflow.scene import synthetic
 
     options = dict(synthetic.DEMO_DEFAULTS)
-    for key, value in (("views", views), ("width", width), ("height", height), ("arc_deg", arc), ("seed", seed)):
+    for key, value in (("n_views", views), ("width", width), ("height", height), ("arc_deg", arc), ("seed", seed)):
         if value is not None:
             options[key] = value
     images = out / "images"
