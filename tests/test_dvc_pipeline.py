@@ -1,0 +1,35 @@
+"""DVC owns the graph: a second `dvc repro` does nothing, and a param change reruns only the stage that reads it."""
+
+import json
+import re
+
+import yaml
+
+from tests._project import dvc, make_project
+
+
+def _ran(output: str) -> list[str]:
+    return re.findall(r"Running stage '([^']+)'", output)
+
+
+def test_repro_twice_then_split_param_reruns_only_split(tmp_path):
+    root = make_project(tmp_path / "proj")
+    first = dvc(root, "repro", "split@tiny")
+    assert _ran(first.stdout) == ["ingest@tiny", "sfm@tiny", "split@tiny"]
+
+    ingest = json.loads((root / "metrics/tiny/ingest.json").read_text())
+    sfm = json.loads((root / "metrics/tiny/sfm.json").read_text())
+    split = json.loads((root / "data/tiny/split.json").read_text())
+    assert ingest["images_kept"] == 12
+    assert sfm["images_registered"] == 12
+    assert len(split["test"]) == 2 and len(split["train"]) == 10  # indices 0 and 8 of 12 sorted names
+
+    second = dvc(root, "repro", "split@tiny")
+    assert _ran(second.stdout) == []
+
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    params["split"]["every_n"] = 4
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    third = dvc(root, "repro", "split@tiny")
+    assert _ran(third.stdout) == ["split@tiny"]
+    assert len(json.loads((root / "data/tiny/split.json").read_text())["test"]) == 3
