@@ -287,7 +287,44 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class PruneConfig:
-    pass
+    """Global-significance pruning with recovery (LightGaussian, Fan et al. 2023; issue 5).
+
+    Phase ``k`` (0-based) keeps ``keep_first * keep_decay**k`` of the TRAINED model's Gaussians (defaults:
+    0.6, 0.42, ..., 0.10 after six phases); each phase is followed by ``finetune_steps`` of recovery training
+    without densification. Pruning stops early, keeping the last accepted phase, when the PSNR on
+    ``val_views`` TRAINING views (never test views) falls more than ``max_psnr_drop_db`` below the unpruned
+    model's. ``enabled: false``, ``phases: 0`` or a schedule that keeps everything is a no-op that still writes
+    the outputs. ``volume_beta``/``volume_ref_quantile``: the volume weight ``clamp(V / V_ref, 0, 1)**beta`` with
+    ``V_ref`` the volume that a fraction ``1 - volume_ref_quantile`` of the Gaussians exceed (paper: 90%).
+    """
+
+    enabled: bool = True
+    keep_first: float = 0.6  # fraction of the trained model's Gaussians kept after the first phase
+    keep_decay: float = 0.7  # each later phase keeps this fraction of the previous phase's target
+    phases: int = 6
+    finetune_steps: int = 300  # recovery steps after each phase (no densification)
+    max_psnr_drop_db: float = 1.0  # early stop: validation PSNR below (before - this) rejects the phase
+    val_views: int = 4  # evenly spaced TRAINING views for the validation PSNR
+    val_factor: float = 0.5  # resolution factor of the validation renders
+    score_factor: float = 1.0  # resolution factor of the renders that measure significance
+    volume_beta: float = 0.1
+    volume_ref_quantile: float = 0.1
+    backend: Literal["auto", "cpu", "cuda", "torch"] = "auto"
+    progress: bool = True
+
+    def __post_init__(self):
+        check(0.0 < self.keep_first <= 1.0, "prune.keep_first", "a number in (0, 1]", self.keep_first)
+        check(0.0 < self.keep_decay <= 1.0, "prune.keep_decay", "a number in (0, 1]", self.keep_decay)
+        check(0 <= self.phases <= 50, "prune.phases", "an integer in [0, 50] (0 disables pruning)", self.phases)
+        check(self.finetune_steps >= 0, "prune.finetune_steps", "an integer >= 0", self.finetune_steps)
+        check(self.max_psnr_drop_db >= 0.0, "prune.max_psnr_drop_db", "a number >= 0", self.max_psnr_drop_db)
+        check(self.val_views >= 1, "prune.val_views", "an integer >= 1", self.val_views)
+        check(0.0 < self.val_factor <= 1.0, "prune.val_factor", "a number in (0, 1]", self.val_factor)
+        check(0.0 < self.score_factor <= 1.0, "prune.score_factor", "a number in (0, 1]", self.score_factor)
+        check(0.0 <= self.volume_beta <= 1.0, "prune.volume_beta", "a number in [0, 1] (0: no volume term)",
+              self.volume_beta)
+        check(0.0 <= self.volume_ref_quantile < 1.0, "prune.volume_ref_quantile", "a number in [0, 1)",
+              self.volume_ref_quantile)
 
 
 LpipsVariant = Literal["lpips_vgg_01", "lpips_vgg", "lpips_alex"]
