@@ -49,8 +49,13 @@ def laplacian_variance(gray: np.ndarray) -> float:
 
 
 def sharpness(gray: np.ndarray, measure_width_px: int) -> float:
-    """Variance of the Laplacian measured at a fixed width, so images of one capture compare fairly."""
-    return laplacian_variance(resize_to_width(gray, measure_width_px))
+    """Variance of the Laplacian measured at a fixed width, so images of one capture compare fairly.
+
+    Images narrower than ``measure_width_px`` are measured as they are: upsampling would only add interpolation
+    blur, and images compared with each other share one size anyway (odd sizes are rejected first).
+    """
+    width_px = min(measure_width_px, gray.shape[1])
+    return laplacian_variance(resize_to_width(gray, width_px))
 
 
 def phash(gray: np.ndarray) -> np.ndarray:

@@ -1,0 +1,301 @@
+"""Ingest on crafted captures: every rejection reason, EXIF rotation, untouched input, determinism, video.
+
+The "capture" is a camera pan over scikit-image's astronaut photo (real texture, so blur and duplicate detection
+are exercised on real content), plus one bad file per rejection reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+from PIL import Image
+from skimage import data
+
+from splatflow.config import IngestConfig, params_from_dict
+from splatflow.errors import UserError
+from splatflow.paths import ScenePaths
+from splatflow.scene.imagehash import hamming, phash, sharpness, to_gray_f32
+from splatflow.scene.ingest import ingest, neighbour_indices, output_names
+from splatflow.scene.video import window_bounds
+
+W, H = 256, 192  # size of every good image in the crafted capture
+CFG = IngestConfig()
+
+
+def _photo() -> np.ndarray:
+    return data.astronaut()  # [512, 512, 3] uint8
+
+
+def _crop(x: int, y: int = 160, w: int = W, h: int = H) -> np.ndarray:
+    return np.ascontiguousarray(_photo()[y:y + h, x:x + w])  # [h, w, 3]
+
+
+def _save_jpg(path: Path, rgb: np.ndarray, **kw) -> None:
+    Image.fromarray(rgb).save(path, "JPEG", quality=95, **kw)
+
+
+def _snapshot(folder: Path) -> dict:
+    """Name -> (sha256, size, mtime_ns) of every file: proves the input was not touched."""
+    return {p.name: (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(folder.iterdir())}
+
+
+def _decode(path: Path) -> np.ndarray:
+    with Image.open(path) as im:
+        return np.asarray(im.convert("RGB")).astype(np.float64)
+
+
+@pytest.fixture(scope="module")
+def capture(tmp_path_factory) -> Path:
+    """8 good pan views + one crafted file per rejection reason + one EXIF-rotated good view."""
+    src = tmp_path_factory.mktemp("capture")
+    for k, x in enumerate(range(0, 256, 32)):  # 00..07: the pan, 32 px (12 %) apart
+        _save_jpg(src / f"{k:02d}.jpg", _crop(x))
+    # exact pixels of view 03 saved as PNG: a duplicate under another name and format
+    Image.fromarray(_crop(96)).save(src / "03_copy.png")
+    # a blurred copy of view 05 (a shaken shot)
+    _save_jpg(src / "05_blur.jpg", cv2.GaussianBlur(_crop(160), (0, 0), 2.0))
+    # too small, and another size than the majority
+    _save_jpg(src / "06_small.jpg", _crop(192, w=40, h=30))
+    _save_jpg(src / "07_odd.jpg", _crop(224, w=200, h=150))
+    # a truncated JPEG: the first 60 % of a valid file (OpenCV would decode it with a warning)
+    buf = io.BytesIO()
+    Image.fromarray(_crop(48)).save(buf, "JPEG", quality=95)
+    (src / "08_trunc.jpg").write_bytes(buf.getvalue()[: int(len(buf.getvalue()) * 0.6)])
+    (src / "09_empty.jpg").write_bytes(b"")
+    (src / "10_notes.jpg").write_text("these are my notes, not a photo\n")
+    # a view stored sideways (portrait pixels) with EXIF Orientation 6 = "rotate 90 deg clockwise to display"
+    upright = _crop(16, y=260)
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    Image.fromarray(upright).transpose(Image.Transpose.ROTATE_90).save(
+        src / "11_rot.jpg", "JPEG", quality=95, exif=exif.tobytes())
+    (src / ".DS_Store").write_bytes(b"\x00\x01junk")
+    return src
+
+
+EXPECTED_REJECTIONS = {
+    "03_copy.png": "duplicate",
+    "05_blur.jpg": "blurry",
+    "06_small.jpg": "too_small",
+    "07_odd.jpg": "odd_size",
+    "08_trunc.jpg": "unreadable",
+    "09_empty.jpg": "empty",
+    "10_notes.jpg": "not_image",
+}
+
+
+@pytest.fixture(scope="module")
+def ingested(capture, tmp_path_factory):
+    before = _snapshot(capture)
+    out = tmp_path_factory.mktemp("out") / "images"
+    result = ingest(capture, out, CFG, progress=False)
+    return before, out, result
+
+
+def test_each_bad_file_rejected_with_its_reason(ingested):
+    _, out, result = ingested
+    got = {r.file: r.reason for r in result.rejected}
+    assert got == EXPECTED_REJECTIONS
+    m = result.metrics()
+    assert m["images_in"] == 16 and m["images_kept"] == 9
+    assert m["rejected_by_reason"] == {r: 1 for r in EXPECTED_REJECTIONS.values()}
+    assert m["ignored"] == [".DS_Store"]
+    assert json.loads(json.dumps(m)) == m  # JSON-serialisable as it is
+    dup = next(r for r in result.rejected if r.reason == "duplicate")
+    assert "03.jpg" in dup.detail  # names the image it duplicates
+    # stems kept, extension normalised, sorted like the input; only images in the folder (pycolmap reads all)
+    assert sorted(p.name for p in out.iterdir()) == [f"{k:02d}.jpg" for k in range(8)] + ["11_rot.jpg"]
+    assert [c.out_name for c in result.kept] == sorted(c.out_name for c in result.kept)
+
+
+def test_clean_jpegs_copied_and_others_converted(ingested, capture):
+    _, out, result = ingested
+    assert (out / "00.jpg").read_bytes() == (capture / "00.jpg").read_bytes()  # no second JPEG generation
+    assert {c.out_name: c.written for c in result.kept}["11_rot.jpg"] == "converted"
+    for p in out.iterdir():
+        with Image.open(p) as im:
+            assert im.format == "JPEG" and im.mode == "RGB" and im.size == (W, H)
+
+
+def test_exif_rotation_applied_to_pixels(ingested):
+    _, out, _ = ingested
+    with Image.open(out / "11_rot.jpg") as im:
+        assert im.getexif().get(0x0112, 1) == 1  # no rotation left for a viewer to apply twice
+    got = _decode(out / "11_rot.jpg")  # [H, W, 3]
+    upright = _crop(16, y=260).astype(np.float64)
+    assert got.shape == upright.shape
+    err_right = np.abs(got - upright).mean()
+    err_flipped = np.abs(got - upright[::-1, ::-1]).mean()  # the 180-degree mistake has the same shape
+    assert err_right < 5.0, err_right  # two JPEG generations at q95 (the first one 4:2:0)
+    assert err_flipped > 8 * err_right, (err_right, err_flipped)
+
+
+def test_input_folder_unchanged(ingested, capture):
+    before, _, _ = ingested
+    assert _snapshot(capture) == before
+
+
+def test_rerun_gives_identical_files(ingested, capture, tmp_path):
+    _, out, _ = ingested
+    out2 = tmp_path / "again" / "images"
+    ingest(capture, out2, CFG, progress=False)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == {p.name: p.read_bytes() for p in out2.iterdir()}
+    # re-running into the same folder replaces it (stale files from an earlier run disappear)
+    (out2 / "stale.jpg").write_bytes(b"old")
+    ingest(capture, out2, CFG, progress=False)
+    assert not (out2 / "stale.jpg").exists()
+    assert not any(p.name.startswith(".") for p in out2.parent.iterdir())  # no staging folder left behind
+
+
+def test_measures_separate_blur_and_duplicates_on_real_content():
+    """The measures the thresholds rest on: blur costs far more sharpness than content changes across a pan;
+    re-encoding keeps the hash, a 12 % pan changes it by many bits."""
+    views = [to_gray_f32(_crop(x)) for x in range(0, 256, 32)]
+    s = np.array([sharpness(v, 640) for v in views])
+    blurred = sharpness(cv2.GaussianBlur(views[3], (0, 0), 1.0), 640)
+    assert s.min() / np.median(s) > CFG.blur_rel_threshold
+    assert blurred / np.median(s) < CFG.blur_rel_threshold
+    buf = cv2.imencode(".jpg", _crop(96)[..., ::-1], [cv2.IMWRITE_JPEG_QUALITY, 50])[1]
+    recoded = to_gray_f32(cv2.imdecode(buf, cv2.IMREAD_GRAYSCALE))
+    assert hamming(phash(views[3]), phash(recoded)) <= CFG.dedupe_max_distance
+    pans = [hamming(phash(a), phash(b)) for a, b in zip(views, views[1:])]
+    assert min(pans) > 3 * CFG.dedupe_max_distance
+
+
+def test_too_few_usable_images_error_counts_reasons(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    _save_jpg(src / "a.jpg", _crop(0))
+    _save_jpg(src / "b.jpg", _crop(64))
+    _save_jpg(src / "c.jpg", _crop(0))  # duplicate of a
+    (src / "d.jpg").write_bytes(b"")
+    (src / "e.txt").write_text("hello")
+    out = tmp_path / "out" / "images"
+    with pytest.raises(UserError) as e:
+        ingest(src, out, CFG, progress=False)
+    msg = str(e.value)
+    assert "only 2 usable images of 5" in msg
+    assert "1 duplicate" in msg and "1 empty" in msg and "1 not image" in msg
+    assert "c.jpg" in msg and "d.jpg" in msg and "e.txt" in msg
+    assert not out.exists() and not any(out.parent.iterdir())  # nothing half-written
+
+
+def test_source_errors(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        ingest(tmp_path / "nope", tmp_path / "out", CFG, progress=False)
+    img = tmp_path / "one.jpg"
+    _save_jpg(img, _crop(0))
+    with pytest.raises(UserError, match="folder of images or a video"):
+        ingest(img, tmp_path / "out", CFG, progress=False)
+    with pytest.raises(UserError, match="overlaps"):
+        ingest(tmp_path, tmp_path / "data" / "images", CFG, progress=False)
+    bad_video = tmp_path / "broken.mp4"
+    bad_video.write_bytes(b"\x00\x00\x00\x18ftypmp42" + b"garbage" * 100)
+    with pytest.raises(UserError, match="broken.mp4"):
+        ingest(bad_video, tmp_path / "out2", CFG, progress=False)
+    assert bad_video.read_bytes().endswith(b"garbage")
+
+
+def _write_video(path: Path, n_frames: int, sharp_every: int, sharp_offset: int) -> list[int]:
+    """A 320x240 pan over the photo, 4 px per frame; only frames i % sharp_every == sharp_offset are sharp."""
+    size = (320, 240)
+    for fourcc in ("mp4v", "MJPG"):
+        vw = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*fourcc), 24.0, size)
+        if vw.isOpened():
+            break
+    else:  # pragma: no cover - depends on the OpenCV build
+        pytest.skip("no OpenCV video encoder available")
+    sharp = []
+    photo = _photo()
+    for i in range(n_frames):
+        rgb = photo[140:380, 4 * i:4 * i + 320]  # [240, 320, 3]
+        if i % sharp_every == sharp_offset:
+            sharp.append(i)
+        else:
+            rgb = cv2.GaussianBlur(rgb, (0, 0), 2.0)  # motion-blurred frame
+        vw.write(np.ascontiguousarray(rgb[..., ::-1]))
+    vw.release()
+    return sharp
+
+
+def test_video_keeps_the_sharpest_frame_of_each_window(tmp_path):
+    (tmp_path / "raw").mkdir()
+    video = tmp_path / "raw" / "walk.mp4"
+    sharp = _write_video(video, n_frames=48, sharp_every=8, sharp_offset=5)
+    before = _snapshot(video.parent)
+    cfg = IngestConfig(video_frames=6)
+    out = tmp_path / "data" / "images"
+    result = ingest(video, out, cfg, progress=False)
+    m = result.metrics()
+    assert m["source_kind"] == "video" and m["images_in"] == 6 and m["images_kept"] == 6
+    assert m["video"]["chosen_frame_indices"] == sharp == [5, 13, 21, 29, 37, 45]
+    assert sorted(p.name for p in out.iterdir()) == [f"frame_{i:06d}.jpg" for i in sharp]
+    got = _decode(out / "frame_000013.jpg")  # the frame's real pixels, not a blurred neighbour
+    want = _photo()[140:380, 52:372].astype(np.float64)
+    assert np.abs(got - want).mean() < 8.0
+    assert _snapshot(video.parent) == before
+
+
+def test_video_blurry_window_and_static_camera_rejected(tmp_path):
+    """A window with only blurred frames is rejected as blurry relative to its neighbours; frames that repeat
+    (camera standing still) are duplicates."""
+    video = tmp_path / "still.avi"
+    vw = cv2.VideoWriter(str(video), cv2.VideoWriter_fourcc(*"MJPG"), 24.0, (320, 240))
+    assert vw.isOpened()
+    photo = _photo()
+    xs = [0, 0, 0, 40, 40, 40, 80, 80, 80, 120, 120, 120, 120, 120, 120, 160, 160, 160]  # 6 windows of 3
+    for i, x in enumerate(xs):
+        rgb = photo[140:380, x:x + 320]
+        if 6 <= i < 9:
+            rgb = cv2.GaussianBlur(rgb, (0, 0), 2.5)
+        vw.write(np.ascontiguousarray(rgb[..., ::-1]))
+    vw.release()
+    result = ingest(video, tmp_path / "out" / "images", IngestConfig(video_frames=6), progress=False)
+    reasons = {r.file: r.reason for r in result.rejected}
+    assert reasons[f"{video.name}#frame=6"] == "blurry"
+    assert reasons[f"{video.name}#frame=12"] == "duplicate"
+    assert len(result.kept) == 4
+
+
+def test_helpers():
+    assert window_bounds(10, 3) == [(0, 3), (3, 6), (6, 10)]
+    assert window_bounds(2, 5) == [(0, 1), (1, 2)]
+    assert neighbour_indices(0, 10, 4) == [1, 2, 3, 4]
+    assert neighbour_indices(5, 10, 4) == [3, 4, 6, 7]
+    assert neighbour_indices(9, 10, 4) == [5, 6, 7, 8]
+    assert neighbour_indices(1, 3, 7) == [0, 2]
+    names = output_names(["b.JPG", "a.png", "a.jpg", "c.heic"], "jpg")
+    assert names == {"a.jpg": "a.jpg", "a.png": "a_png.jpg", "b.JPG": "b.jpg", "c.heic": "c.jpg"}
+
+
+def test_heic_is_converted(tmp_path):
+    pillow_heif = pytest.importorskip("pillow_heif")
+    src = tmp_path / "src"
+    src.mkdir()
+    for k, x in enumerate((0, 64, 128)):
+        heif = pillow_heif.from_pillow(Image.fromarray(_crop(x)))
+        heif.save(src / f"IMG_{k}.HEIC", quality=95)
+    out = tmp_path / "out" / "images"
+    result = ingest(src, out, CFG, progress=False)
+    assert result.metrics()["converted"] == 3
+    assert sorted(p.name for p in out.iterdir()) == ["IMG_0.jpg", "IMG_1.jpg", "IMG_2.jpg"]
+    assert np.abs(_decode(out / "IMG_1.jpg") - _crop(64)).mean() < 6.0
+
+
+def test_stage_run_writes_images_and_returns_metrics(capture, tmp_path):
+    from stages.ingest import run
+
+    params = params_from_dict({"base": {"scenes": {"s": {"source": str(capture)}}}, "ingest": {"image_format": "png"}})
+    paths = ScenePaths("s", tmp_path)
+    m = run(params, paths)
+    assert m["images_kept"] == 9 and {r["file"]: r["reason"] for r in m["rejected"]} == EXPECTED_REJECTIONS
+    names = sorted(p.name for p in paths.images_dir.iterdir())
+    assert names[0] == "00.png" and len(names) == 9
+    assert np.array_equal(_decode(paths.images_dir / "01.png"), _decode(capture / "01.jpg"))  # lossless
