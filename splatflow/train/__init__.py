@@ -1,0 +1,9 @@
+"""Training (issue 4): progressive 3DGS training on CPU or CUDA.
+
+``train(scene, cfg, ...)`` runs the full schedule (see :mod:`splatflow.train.loop`); ``finetune(splats, scene,
+steps, cfg, sh_degree=...)`` is the densification-free recovery step the prune stage uses.
+"""
+
+from splatflow.train.loop import GradientHealthError, Trainer, TrainResult, finetune, photometric_loss, train
+
+__all__ = ["GradientHealthError", "Trainer", "TrainResult", "finetune", "photometric_loss", "train"]

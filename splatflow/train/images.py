@@ -1,0 +1,91 @@
+"""Training targets per resolution level: decoded once, area-downsampled, cached within a memory budget.
+
+Decoding a JPEG costs more than a low-resolution training step, so every (view, level) is produced once:
+the full-resolution undistorted image is decoded, resized with area averaging (``cv2.INTER_AREA``: each
+output pixel is the mean of the input pixels it covers, the right low-pass filter for downsampling), and
+kept as uint8 (4x smaller than float). The intrinsics are scaled by the same per-axis ratios, so the
+downsampled camera sees exactly the downsampled image (COLMAP's continuous pixel convention: the image spans
+``[0, W]``, so ``fx, cx`` scale by ``W'/W``).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
+
+import cv2
+import numpy as np
+import torch
+
+from splatflow.errors import UserError
+
+
+def level_size(width: int, height: int, factor: float) -> tuple[int, int]:
+    """Image size at resolution ``factor`` (at least 1 px)."""
+    return max(1, int(round(width * factor))), max(1, int(round(height * factor)))
+
+
+def scale_intrinsics(K: np.ndarray, width: int, height: int, new_width: int, new_height: int) -> np.ndarray:
+    """``K [3, 3]`` of a ``width x height`` camera rescaled to ``new_width x new_height``."""
+    sx, sy = new_width / width, new_height / height
+    K2 = np.array(K, dtype=np.float64, copy=True)
+    K2[0, :] *= sx  # fx, skew, cx
+    K2[1, :] *= sy  # fy, cy
+    return K2
+
+
+def read_rgb(path: str | Path) -> np.ndarray:
+    """``[H, W, 3]`` uint8 RGB; UserError naming the file if it cannot be decoded."""
+    img = cv2.imread(str(path), cv2.IMREAD_COLOR)
+    if img is None:
+        raise UserError(f"{path}: cannot read this training image; check the file exists and is a valid "
+                        "image, then rerun the sfm stage (it writes data/<scene>/undistorted/images)")
+    return cv2.cvtColor(img, cv2.COLOR_BGR2RGB)
+
+
+class ImageCache:
+    """Targets ``[H, W, 3]`` float32 in [0, 1] and scaled ``K`` per (view, factor), LRU within ``budget_mb``."""
+
+    def __init__(self, views, budget_mb: int = 2048):
+        self.views = list(views)
+        self.budget_bytes = int(budget_mb) * 1024 * 1024
+        self._cache: OrderedDict[tuple[int, float], np.ndarray] = OrderedDict()
+        self._bytes = 0
+        self.decodes = 0  # number of JPEG/PNG decodes (tests check images are decoded once per level)
+
+    def _put(self, key, arr: np.ndarray) -> None:
+        self._cache[key] = arr
+        self._bytes += arr.nbytes
+        while self._bytes > self.budget_bytes and len(self._cache) > 1:
+            _, old = self._cache.popitem(last=False)
+            self._bytes -= old.nbytes
+
+    def _get_u8(self, i: int, factor: float) -> np.ndarray:
+        key = (i, float(factor))
+        arr = self._cache.get(key)
+        if arr is not None:
+            self._cache.move_to_end(key)
+            return arr
+        v = self.views[i]
+        full = self._cache.get((i, 1.0))
+        if full is None:
+            full = read_rgb(v.image_path)
+            self.decodes += 1
+            if full.shape[:2] != (v.height, v.width):
+                raise UserError(f"{v.image_path}: image is {full.shape[1]}x{full.shape[0]} but its camera says "
+                                f"{v.width}x{v.height}; rerun the sfm stage so images and model agree")
+        if factor == 1.0:
+            arr = full
+        else:
+            w, h = level_size(v.width, v.height, factor)
+            arr = cv2.resize(full, (w, h), interpolation=cv2.INTER_AREA)
+        self._put(key, arr)
+        return arr
+
+    def get(self, i: int, factor: float) -> tuple[torch.Tensor, np.ndarray]:
+        """``(image [H, W, 3] float32 in [0, 1], K [3, 3])`` of view ``i`` at resolution ``factor``."""
+        arr = self._get_u8(i, factor)
+        v = self.views[i]
+        h, w = arr.shape[:2]
+        img = torch.from_numpy(arr).float().mul_(1.0 / 255.0)  # [H, W, 3]
+        return img, scale_intrinsics(v.K, v.width, v.height, w, h)

@@ -1,0 +1,426 @@
+"""The training loop: short on purpose; every policy lives in a small object it calls.
+
+One step (3DGS, Kerbl et al. 2023, §5 and Alg. 1): pick a random training view, render it at the current
+resolution with the current SH degree, blur render and target alike, loss ``(1-l) L1 + l (1 - SSIM)``, backward,
+Adam per parameter group, then the densification strategy. Around it: guards (gradient health after the first
+backward, NaN/Inf), periodic validation for the plateau stop, periodic atomic checkpoints with everything an
+exact resume needs, and SIGTERM handling.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import math
+import random
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from splatflow.config import TrainConfig, section_dict
+from splatflow.errors import UserError
+from splatflow.model import SPLAT_KEYS, init_splats, load_checkpoint, save_checkpoint, scene_scale
+from splatflow.train.images import ImageCache
+from splatflow.train.schedules import (BlurSchedule, ExpDecay, PlateauStopper, ResolutionSchedule, Schedules,
+                                       SHSchedule, gaussian_blur)
+from splatflow.train.strategies import TorchMCMCStrategy, make_strategy
+
+CSV_FIELDS = ("step", "phase", "resolution", "sigma", "loss", "l1", "ssim", "psnr", "gaussians", "seconds")
+
+
+class GradientHealthError(UserError):
+    """The first backward pass left positions, colours or opacities without any gradient."""
+
+
+def photometric_loss(pred: torch.Tensor, gt: torch.Tensor, sigma_px: float, ssim_lambda: float):
+    """``(loss, l1, ssim)`` of ``[1, 3, H, W]`` images after blurring both by ``sigma_px`` (3DGS Eq. 7)."""
+    from splatflow.render.ssim import ssim
+
+    pred, gt = gaussian_blur(pred, sigma_px), gaussian_blur(gt, sigma_px)
+    l1 = (pred - gt).abs().mean()
+    s = ssim(pred, gt)
+    return (1.0 - ssim_lambda) * l1 + ssim_lambda * (1.0 - s), l1, s
+
+
+def config_hash(cfg: TrainConfig) -> str:
+    """Hash of the settings that shape the trajectory (resume only continues a run of the same config)."""
+    d = section_dict(cfg)
+    for k in ("progress", "log_every", "checkpoint_every", "resume", "image_cache_mb"):
+        d.pop(k, None)
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass
+class TrainResult:
+    splats: dict[str, torch.Tensor]
+    sh_degree: int
+    steps: int
+    stopped: str
+    train_seconds: float
+    it_per_s: float
+    val_psnr: float | None
+    events: list[dict] = field(default_factory=list)
+    initial_psnr: float | None = None
+
+
+class Trainer:
+    """Trains Gaussians on ``scene.train_views`` (never ``test_views``).
+
+    ``splats`` (optional) starts from given parameters instead of the SfM points (fine-tuning);
+    ``densify=False`` switches the strategy off; ``schedules`` overrides the ones built from ``cfg``.
+    ``stop_after`` ends the run early at that step with a resumable checkpoint (tests, SIGTERM drills).
+    """
+
+    def __init__(self, scene, cfg: TrainConfig, *, ckpt_path: str | Path | None = None,
+                 csv_path: str | Path | None = None, seed: int = 0, splats: dict | None = None,
+                 densify: bool = True, schedules: Schedules | None = None, stop_after: int | None = None,
+                 step_logger=None):
+        if not scene.train_views:
+            raise UserError("no training views: the split left every view in the test set; check data/<scene>/"
+                            "split.json and the split params")
+        self.scene, self.cfg, self.seed = scene, cfg, seed
+        self.ckpt_path = Path(ckpt_path) if ckpt_path else None
+        self.csv_path = Path(csv_path) if csv_path else None
+        self.stop_after = stop_after
+        self.step_logger = step_logger
+        self.loss_fn: Callable = photometric_loss
+        self.views = list(scene.train_views)
+        self.cache = ImageCache(self.views, cfg.image_cache_mb)
+        self.viewmats = [torch.from_numpy(np.asarray(v.world_to_cam, dtype=np.float32)) for v in self.views]
+        self.scene_scale = scene_scale(np.stack([v.world_to_cam for v in scene.views]))
+        self.sched = schedules or Schedules.from_config(cfg, self.scene_scale)
+        if splats is None:
+            splats = init_splats(scene.points, scene.colors, sh_degree=cfg.sh_degree,
+                                 init_opacity=cfg.init_opacity, init_scale=cfg.init_scale)
+        self.initial_count = int(splats["means"].shape[0])
+        self.params = {k: torch.nn.Parameter(splats[k].detach().clone().float()) for k in SPLAT_KEYS}
+        lrs = {"means": self.sched.means_lr.lr(0), "scales": cfg.lr.scales, "quats": cfg.lr.quats,
+               "opacities": cfg.lr.opacities, "sh0": cfg.lr.sh0, "shN": cfg.lr.shN}
+        # One Adam per group (gsplat convention: strategies rewrite each optimizer's state when the count
+        # changes); eps 1e-15 as the 3DGS reference, since gradients of single Gaussians are tiny.
+        self.optimizers = {k: torch.optim.Adam([self.params[k]], lr=lrs[k], eps=1e-15) for k in SPLAT_KEYS}
+        self.strategy = make_strategy(cfg.densify, max_steps=cfg.max_steps, initial_count=self.initial_count) \
+            if densify else None
+        self.strategy_state = self.strategy.initialize_state(scene_scale=self.scene_scale) if self.strategy else {}
+        es = cfg.early_stop
+        patience = max(es.eval_every, int(round(es.patience_steps * cfg.max_steps / es.reference_steps)))
+        self.stopper = PlateauStopper(patience, es.min_delta_db,
+                                      active_from=max(self.sched.resolution.last_start, self.sched.blur.end_step))
+        n_val = min(es.val_views, len(self.views))
+        self.val_ids = sorted({int(round(x)) for x in np.linspace(0, len(self.views) - 1, n_val)})
+        self.step = 0
+        self.elapsed_s = 0.0
+        self.events: list[dict] = []
+        self.val_psnr: float | None = None
+        self._sigterm = False
+        self._grad_checked = False
+        self.resumed_from: int | None = None
+        self._rows: list[dict] = []
+
+    # ------------------------------------------------------------------------------------------ rendering
+    def render(self, i: int, factor: float, sh_degree: int, background: torch.Tensor | None = None):
+        """Render training view ``i`` at ``factor``: ``(rgb [H, W, 3], target [H, W, 3], info)``."""
+        from splatflow.render import rasterize
+
+        target, K = self.cache.get(i, factor)
+        h, w = target.shape[:2]
+        p = self.params
+        k = (sh_degree + 1) ** 2
+        colors = torch.cat([p["sh0"], p["shN"][:, : k - 1]], dim=1)  # [N, K, 3]
+        rgb, _, info = rasterize(
+            p["means"], p["quats"], torch.exp(p["scales"]), torch.sigmoid(p["opacities"]), colors,
+            self.viewmats[i][None], torch.from_numpy(K.astype(np.float32))[None], w, h,
+            sh_degree=sh_degree, backgrounds=None if background is None else background[None],
+            backend=self.cfg.backend, absgrad=self.cfg.densify.absgrad)
+        return rgb[0], target, info  # [H, W, 3]
+
+    @torch.no_grad()
+    def validate(self) -> float:
+        """Mean PSNR over the validation subset of TRAINING views at ``early_stop.val_factor`` (no blur)."""
+        deg = self.sched.sh.degree(self.step)
+        vals = []
+        for i in self.val_ids:
+            rgb, target, _ = self.render(i, self.cfg.early_stop.val_factor, deg)
+            mse = float(((rgb.clamp(0, 1) - target) ** 2).mean())
+            vals.append(-10.0 * math.log10(max(mse, 1e-12)))
+        return float(np.mean(vals))
+
+    # ------------------------------------------------------------------------------------------ one step
+    def train_step(self) -> dict:
+        step, cfg, s = self.step, self.cfg, self.sched
+        i = random.randrange(len(self.views))
+        phase = s.resolution.phase(step)
+        factor = s.resolution.factors[phase]
+        sigma = s.blur.sigma(step)
+        deg = s.sh.degree(step)
+        for g in self.optimizers["means"].param_groups:
+            g["lr"] = s.means_lr.lr(step)
+        bg = torch.rand(3) if cfg.random_background else None
+        rgb, target, info = self.render(i, factor, deg, bg)
+        if self.strategy is not None:
+            self.strategy.step_pre_backward(self.params, self.optimizers, self.strategy_state, step, info)
+        pred = rgb.permute(2, 0, 1)[None]  # [1, 3, H, W]
+        gt = target.permute(2, 0, 1)[None]  # [1, 3, H, W]
+        loss, l1, ssim_v = self.loss_fn(pred, gt, sigma, cfg.ssim_lambda)
+        if isinstance(self.strategy, TorchMCMCStrategy):  # 3DGS-MCMC regularisers (Kheradmand et al. 2024 §4.3)
+            loss = loss + cfg.densify.mcmc_opacity_reg * torch.sigmoid(self.params["opacities"]).mean() \
+                + cfg.densify.mcmc_scale_reg * torch.exp(self.params["scales"]).mean()
+        loss_f = float(loss.detach())
+        if not math.isfinite(loss_f):
+            raise FloatingPointError(f"loss is {loss_f} at step {step} (view {self.views[i].name})")
+        loss.backward()
+        if not self._grad_checked:
+            self._check_gradients(self.views[i].name)
+        for opt in self.optimizers.values():
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if isinstance(self.strategy, TorchMCMCStrategy):
+            self.strategy.step_post_backward(self.params, self.optimizers, self.strategy_state, step, info,
+                                             lr=s.means_lr.lr(step))
+        elif self.strategy is not None:
+            self.strategy.step_post_backward(self.params, self.optimizers, self.strategy_state, step, info)
+        for k in ("means", "opacities", "scales"):
+            if not bool(torch.isfinite(self.params[k]).all()):
+                raise FloatingPointError(f"parameter '{k}' became NaN/Inf at step {step}")
+        ev = getattr(self.strategy, "last_event", None)
+        if ev:
+            self.events.append(ev)
+        with torch.no_grad():
+            mse = float(((rgb.detach().clamp(0, 1) - target) ** 2).mean())
+        return {"step": step + 1, "phase": phase, "resolution": f"{target.shape[1]}x{target.shape[0]}",
+                "sigma": round(sigma, 4), "loss": loss_f, "l1": float(l1.detach()), "ssim": float(ssim_v.detach()),
+                "psnr": -10.0 * math.log10(max(mse, 1e-12)), "gaussians": self.params["means"].shape[0]}
+
+    def _check_gradients(self, view_name: str) -> None:
+        """Gradient health (issue 4 item 7): all-zero gradients mean the loss does not reach the Gaussians."""
+        self._grad_checked = True
+        dead = [k for k in ("means", "sh0", "opacities")
+                if self.params[k].grad is None or not bool(self.params[k].grad.abs().sum() > 0)]
+        if dead:
+            raise GradientHealthError(
+                f"after the first backward pass the gradients of {', '.join(dead)} are all zero (view "
+                f"{view_name}): the loss is not connected to the Gaussians (a detached render?) or no Gaussian is "
+                "visible from the cameras (check the SfM model's cameras and points in data/<scene>/undistorted). "
+                "Training would run and learn nothing, so it stops here.")
+
+    # ------------------------------------------------------------------------------------------ state
+    def state_dict(self, finished: bool, stopped: str = "") -> dict:
+        return {
+            "splats": {k: v.detach().clone() for k, v in self.params.items()},
+            "sh_degree": self.sched.sh.degree(max(self.step - 1, 0)),
+            "step": self.step,
+            "finished": finished,
+            "stopped": stopped,
+            "config_hash": config_hash(self.cfg),
+            "scene_scale": self.scene_scale,
+            "initial_count": self.initial_count,
+            "optimizers": {k: o.state_dict() for k, o in self.optimizers.items()},
+            "strategy_state": self.strategy_state,
+            "stopper": self.stopper.state_dict(),
+            "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+            "elapsed_seconds": self.elapsed_s,
+            "events": self.events,
+            "val_psnr": self.val_psnr,
+        }
+
+    def load_state_dict(self, ckpt: dict) -> None:
+        self.params = {k: torch.nn.Parameter(ckpt["splats"][k].clone()) for k in SPLAT_KEYS}
+        for k in SPLAT_KEYS:
+            opt = torch.optim.Adam([self.params[k]], lr=1.0, eps=1e-15)
+            opt.load_state_dict(ckpt["optimizers"][k])
+            self.optimizers[k] = opt
+        self.strategy_state = ckpt["strategy_state"]
+        self.initial_count = int(ckpt["initial_count"])
+        self.stopper.load_state_dict(ckpt["stopper"])
+        torch.set_rng_state(ckpt["rng"]["torch"])
+        np.random.set_state(ckpt["rng"]["numpy"])
+        random.setstate(ckpt["rng"]["python"])
+        self.step = int(ckpt["step"])
+        self.elapsed_s = float(ckpt["elapsed_seconds"])
+        self.events = list(ckpt.get("events", []))
+        self.val_psnr = ckpt.get("val_psnr")
+
+    def try_resume(self) -> bool:
+        """Continue from an unfinished checkpoint of the same config at ``ckpt_path``; True if resumed."""
+        if not (self.cfg.resume and self.ckpt_path and self.ckpt_path.exists()):
+            return False
+        try:
+            ckpt = load_checkpoint(self.ckpt_path)
+        except UserError:
+            return False
+        if ckpt.get("finished", True) or ckpt.get("config_hash") != config_hash(self.cfg) or "optimizers" not in ckpt:
+            return False
+        self.load_state_dict(ckpt)
+        return True
+
+    def save(self, finished: bool, stopped: str = "") -> None:
+        if self.ckpt_path:
+            save_checkpoint(self.ckpt_path, self.state_dict(finished, stopped))
+        self._flush_csv()
+
+    def _flush_csv(self) -> None:
+        if not self.csv_path:
+            return
+        self.csv_path.parent.mkdir(parents=True, exist_ok=True)
+        new = not self.csv_path.exists() or self.csv_path.stat().st_size == 0
+        with open(self.csv_path, "a", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+            if new:
+                w.writeheader()
+            w.writerows(self._rows)
+        self._rows = []
+
+    def _reset_csv(self) -> None:
+        """Start the CSV afresh, or keep only rows up to the resumed step."""
+        if not self.csv_path or not self.csv_path.exists():
+            return
+        keep = []
+        if self.step > 0:
+            with open(self.csv_path, newline="") as f:
+                keep = [r for r in csv.DictReader(f) if int(r["step"]) <= self.step]
+        self.csv_path.unlink()
+        self._rows = keep
+        self._flush_csv()
+
+    # ------------------------------------------------------------------------------------------ the loop
+    def run(self) -> TrainResult:
+        cfg = self.cfg
+        self.resumed_from = self.step if self.try_resume() else None
+        self._reset_csv()
+        start_step = self.step
+        initial_psnr = self.validate() if self.step == 0 and cfg.early_stop.enabled else None
+        old_handler = self._install_sigterm()
+        pbar = _progress(cfg.progress, cfg.max_steps, self.step)
+        stopped, t_start, t_last, last_good = "max_steps", time.perf_counter(), time.perf_counter(), None
+        try:
+            while self.step < cfg.max_steps:
+                try:
+                    row = self.train_step()
+                except FloatingPointError as e:
+                    stopped = f"nonfinite: {e}; kept the last good checkpoint (step {last_good})"
+                    self.step = last_good if last_good is not None else self.step
+                    return self._result(stopped, start_step, t_start, initial_psnr, saved=last_good is not None)
+                self.step += 1
+                now = time.perf_counter()
+                self.elapsed_s += now - t_last
+                t_last = now
+                row["seconds"] = round(self.elapsed_s, 3)
+                reason = None
+                if cfg.early_stop.enabled and self.step % cfg.early_stop.eval_every == 0:
+                    self.val_psnr = self.validate()
+                    reason = self.stopper.update(self.step, self.val_psnr)
+                    t_last = time.perf_counter()  # validation is not training time
+                if self.step % cfg.log_every == 0 or self.step == cfg.max_steps or reason:
+                    self._rows.append(row)
+                    if self.step_logger is not None:
+                        self.step_logger.log(self.step, {k: float(row[k]) for k in
+                                                         ("loss", "l1", "ssim", "psnr", "gaussians", "sigma")})
+                    if pbar is not None:
+                        pbar.set_postfix({"#G": row["gaussians"], "loss": f"{row['loss']:.4f}",
+                                          "psnr": f"{row['psnr']:.2f}"}, refresh=False)
+                if pbar is not None:
+                    pbar.update(1)
+                if reason:
+                    stopped = reason
+                    break
+                if self._sigterm:
+                    stopped = f"sigterm at step {self.step}"
+                    self.save(finished=False, stopped=stopped)
+                    return self._result(stopped, start_step, t_start, initial_psnr, saved=True)
+                if self.stop_after is not None and self.step >= self.stop_after:
+                    stopped = f"stop_after {self.stop_after}"
+                    self.save(finished=False, stopped=stopped)
+                    return self._result(stopped, start_step, t_start, initial_psnr, saved=True)
+                if self.step % cfg.checkpoint_every == 0 and self.step < cfg.max_steps:
+                    self.save(finished=False)
+                    last_good = self.step
+            if cfg.early_stop.enabled:
+                self.val_psnr = self.validate()
+            self.save(finished=True, stopped=stopped)
+            return self._result(stopped, start_step, t_start, initial_psnr, saved=True)
+        finally:
+            if pbar is not None:
+                pbar.close()
+            self._restore_sigterm(old_handler)
+
+    def _result(self, stopped, start_step, t_start, initial_psnr, saved) -> TrainResult:
+        self._flush_csv()
+        if self.step_logger is not None:
+            try:
+                self.step_logger.close()
+            except Exception:  # noqa: BLE001 - tracking must never break training
+                pass
+        done = self.step - start_step
+        if saved and self.ckpt_path and stopped.startswith("nonfinite"):
+            ckpt = load_checkpoint(self.ckpt_path)  # the last good parameters
+            splats = {k: ckpt["splats"][k] for k in SPLAT_KEYS}
+        else:
+            splats = {k: v.detach().clone() for k, v in self.params.items()}
+        train_s = self.elapsed_s
+        return TrainResult(splats=splats, sh_degree=self.sched.sh.degree(max(self.step - 1, 0)), steps=self.step,
+                           stopped=stopped, train_seconds=train_s,
+                           it_per_s=done / max(time.perf_counter() - t_start, 1e-9) if done else 0.0,
+                           val_psnr=self.val_psnr, events=list(self.events), initial_psnr=initial_psnr)
+
+    def _install_sigterm(self):
+        if threading.current_thread() is not threading.main_thread():
+            return None
+
+        def handler(signum, frame):
+            self._sigterm = True
+
+        return signal.signal(signal.SIGTERM, handler)
+
+    def _restore_sigterm(self, old) -> None:
+        if old is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, old)
+
+
+def _progress(enabled: bool, total: int, initial: int):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True, mininterval=0.5)
+
+
+def train(scene, cfg: TrainConfig, **kwargs) -> TrainResult:
+    """Train Gaussians on ``scene`` with ``cfg`` (see :class:`Trainer` for the keyword arguments)."""
+    return Trainer(scene, cfg, **kwargs).run()
+
+
+def finetune(splats: dict[str, torch.Tensor], scene, steps: int, cfg: TrainConfig, *, sh_degree: int,
+             seed: int = 0, progress: bool = False, backend: str | None = None) -> dict[str, torch.Tensor]:
+    """Recovery fine-tuning after pruning: ``steps`` plain steps on the training views, no densification.
+
+    Full resolution, no blur, fixed ``sh_degree``, the position learning rate at its final (decayed) value and
+    the other rates of ``cfg.lr`` (the schedule of the end of training, as e.g. LightGaussian's recovery step,
+    Fan et al. 2023). Returns new float32 CPU parameters in the checkpoint layout; ``splats`` is not modified.
+    """
+    from dataclasses import replace
+
+    cfg2 = replace(cfg, max_steps=max(int(steps), 1), progress=progress, resume=False,
+                   early_stop=replace(cfg.early_stop, enabled=False),
+                   backend=backend or cfg.backend)
+    sc = scene_scale(np.stack([v.world_to_cam for v in scene.views]))
+    sched = Schedules(resolution=ResolutionSchedule((0,), (1.0,)), blur=BlurSchedule(0.0, 0),
+                      sh=SHSchedule(sh_degree, 1, start_degree=sh_degree),
+                      means_lr=ExpDecay(cfg.lr.means * sc * cfg.lr.means_final_factor, 1.0, cfg2.max_steps))
+    if steps <= 0:
+        return {k: v.detach().clone() for k, v in splats.items()}
+    state = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    random.seed(seed)
+    try:
+        res = Trainer(scene, cfg2, seed=seed, splats=splats, densify=False, schedules=sched).run()
+    finally:
+        random.setstate(state[0])
+        np.random.set_state(state[1])
+        torch.set_rng_state(state[2])
+    return res.splats

@@ -1,0 +1,265 @@
+"""Densification policies that run on CPU, with a hard Gaussian budget and logged refine events.
+
+Both strategies keep gsplat's strategy interface (``initialize_state``, ``step_pre_backward``,
+``step_post_backward``) so the training loop does not know which one it runs, and both record the last refine
+event in ``self.last_event`` (clones, splits, prunes, relocations, additions and the new count) for the loop to log.
+
+* :class:`BudgetedDefaultStrategy`: gsplat's ``DefaultStrategy`` (adaptive density control of the 3DGS paper,
+  Kerbl et al. 2023, §5.2) with a cap on the count. When more Gaussians qualify for cloning/splitting than the
+  budget leaves room for, only the ones with the largest accumulated view-space gradient grow: the
+  score-ordered, budget-limited growth of Taming 3DGS (Mallick et al. 2024, §4.2), with the gradient as score.
+  Deviation from gsplat 1.5.3: its opacity reset test ``step % reset_every == 0 & step > 0`` is never true
+  (operator precedence); we reset as the 3DGS reference does, every ``reset_every`` steps while refining.
+* :class:`TorchMCMCStrategy`: gsplat's ``MCMCStrategy`` (3DGS as MCMC, Kheradmand et al. 2024) with the CUDA
+  relocation kernel and the CUDA covariance in the noise step replaced by torch code.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from gsplat.strategy import DefaultStrategy, MCMCStrategy
+from gsplat.strategy.ops import (_multinomial_sample, _update_param_with_optimizer, duplicate, remove,
+                                 reset_opa, split)
+from gsplat.utils import normalized_quat_to_rotmat
+
+
+def _visible(info: dict) -> torch.Tensor:
+    """``[C, N]`` mask of Gaussians with a non-zero screen radius (radii ``[C, N]`` or ``[C, N, 2]``)."""
+    radii = info["radii"]
+    return (radii > 0).all(dim=-1) if radii.dim() == 3 else radii > 0
+
+
+class BudgetedDefaultStrategy(DefaultStrategy):
+    """Adaptive density control (clone small / split large high-gradient Gaussians, prune transparent and huge
+    ones, periodic opacity reset) that never lets the count exceed ``cap``."""
+
+    def __init__(self, *, cap: int, **kwargs):
+        super().__init__(**kwargs)
+        self.cap = int(cap)
+        self.last_event: dict | None = None
+
+    def step_pre_backward(self, params, optimizers, state, step, info):
+        info[self.key_for_gradient].retain_grad()
+
+    def _update_state(self, params, state, info, packed: bool = False):
+        # Own version of gsplat's: accepts radii [C, N] as well as [C, N, 2] and needs no "gaussian_ids".
+        grad = info[self.key_for_gradient].absgrad if self.absgrad else info[self.key_for_gradient].grad
+        if grad is None:
+            return
+        scale = grad.new_tensor([info["width"] / 2.0 * info["n_cameras"], info["height"] / 2.0 * info["n_cameras"]])
+        n = params["means"].shape[0]
+        if state["grad2d"] is None or state["grad2d"].shape[0] != n:
+            state["grad2d"] = torch.zeros(n)
+            state["count"] = torch.zeros(n)
+        sel = _visible(info)  # [C, N]
+        norms = (grad * scale).norm(dim=-1)  # [C, N] gradient in NDC units, as the 3DGS reference
+        state["grad2d"] += (norms * sel).sum(dim=0)
+        state["count"] += sel.sum(dim=0).to(state["count"].dtype)
+
+    def step_post_backward(self, params, optimizers, state, step, info, packed: bool = False):
+        self.last_event = None
+        if step >= self.refine_stop_iter:
+            return
+        self._update_state(params, state, info)
+        if step > self.refine_start_iter and step % self.refine_every == 0:
+            n_before = params["means"].shape[0]
+            n_clone, n_split = self._grow_gs(params, optimizers, state, step)
+            n_prune = self._prune_gs(params, optimizers, state, step)
+            state["grad2d"].zero_()
+            state["count"].zero_()
+            self.last_event = {"step": step, "clones": n_clone, "splits": n_split, "prunes": n_prune,
+                               "before": n_before, "gaussians": params["means"].shape[0]}
+        if self.reset_every > 0 and step > 0 and step % self.reset_every == 0:
+            reset_opa(params=params, optimizers=optimizers, state=state, value=self.prune_opa * 2.0)
+            ev = self.last_event or {"step": step, "clones": 0, "splits": 0, "prunes": 0,
+                                     "gaussians": params["means"].shape[0]}
+            ev["opacity_reset"] = True
+            self.last_event = ev
+
+    @torch.no_grad()
+    def _grow_gs(self, params, optimizers, state, step) -> tuple[int, int]:
+        grads = state["grad2d"] / state["count"].clamp_min(1)  # [N] mean NDC gradient
+        is_high = grads > self.grow_grad2d
+        is_small = torch.exp(params["scales"]).max(dim=-1).values <= self.grow_scale3d * state["scene_scale"]
+        # Cloning adds one Gaussian; splitting replaces one by two: each candidate costs one slot.
+        room = max(0, self.cap - params["means"].shape[0])
+        n_cand = int(is_high.sum())
+        if n_cand > room:
+            keep = torch.zeros_like(is_high)
+            if room > 0:
+                score = torch.where(is_high, grads, torch.full_like(grads, -1.0))
+                keep[torch.topk(score, room).indices] = True
+            is_high = is_high & keep
+        is_clone = is_high & is_small
+        is_split = is_high & ~is_small
+        n_clone, n_split = int(is_clone.sum()), int(is_split.sum())
+        if n_clone > 0:
+            duplicate(params=params, optimizers=optimizers, state=state, mask=is_clone)
+        is_split = torch.cat([is_split, torch.zeros(n_clone, dtype=torch.bool)])  # clones are not split
+        if n_split > 0:
+            split(params=params, optimizers=optimizers, state=state, mask=is_split,
+                  revised_opacity=self.revised_opacity)
+        return n_clone, n_split
+
+    @torch.no_grad()
+    def _prune_gs(self, params, optimizers, state, step) -> int:
+        is_prune = torch.sigmoid(params["opacities"].flatten()) < self.prune_opa
+        if step > self.reset_every > 0:
+            is_prune |= torch.exp(params["scales"]).max(dim=-1).values > self.prune_scale3d * state["scene_scale"]
+        n = int(is_prune.sum())
+        if n > 0:
+            remove(params=params, optimizers=optimizers, state=state, mask=is_prune)
+        return n
+
+
+# ------------------------------------------------------------------------------------------------ MCMC
+
+
+def relocation_coefficients(n_max: int) -> torch.Tensor:
+    """``coef[r, k]`` such that the 3DGS-MCMC scale-preserving denominator for ``r`` copies is
+    ``sum_k coef[r, k] * o_new**(k+1)``  (float64, ``[n_max + 1, n_max]``).
+
+    Kheradmand et al. 2024, Eq. 9: ``denom = sum_{i=1}^{r} sum_{k=0}^{i-1} C(i-1, k) (-1)^k o_new^(k+1) / sqrt(k+1)``.
+    Swapping the sums, the coefficient of ``o_new^(k+1)`` is ``(-1)^k / sqrt(k+1) * sum_{i=k+1}^{r} C(i-1, k)``.
+    """
+    coef = torch.zeros(n_max + 1, n_max, dtype=torch.float64)
+    for r in range(1, n_max + 1):
+        for k in range(r):
+            s = sum(math.comb(i - 1, k) for i in range(k + 1, r + 1))
+            coef[r, k] = (-1) ** k / math.sqrt(k + 1) * s
+    return coef
+
+
+def compute_relocation_torch(opacities: torch.Tensor, scales: torch.Tensor, ratios: torch.Tensor,
+                             coef: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """New opacity and scale when a Gaussian is shared by ``ratios`` copies (3DGS-MCMC Eq. 9), in torch.
+
+    ``o_new = 1 - (1 - o)^(1/r)`` keeps the summed opacity; the scale is shrunk by ``o / denom`` so the
+    rendered footprint of the ``r`` overlapping copies matches the original. ``opacities [M]``, ``scales
+    [M, 3]``, ``ratios [M]`` int (clamped to ``coef``'s range as gsplat's kernel does).
+    """
+    n_max = coef.shape[1]
+    r = ratios.clamp(1, n_max).long()
+    o = opacities.double()
+    o_new = 1.0 - torch.pow(1.0 - o, 1.0 / r.double())  # [M]
+    powers = o_new.unsqueeze(-1) ** torch.arange(1, n_max + 1, dtype=torch.float64)  # [M, n_max]
+    denom = (coef[r] * powers).sum(-1)  # [M]
+    factor = o / denom
+    return o_new.float(), scales * factor.float().unsqueeze(-1)
+
+
+class TorchMCMCStrategy(MCMCStrategy):
+    """3DGS-MCMC on CPU: relocate dead Gaussians to live ones, grow 5% per refine up to ``cap_max``, and add
+    opacity-gated covariance-shaped noise to positions every step."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.last_event: dict | None = None
+
+    def initialize_state(self, scene_scale: float = 1.0) -> dict[str, Any]:
+        return {"coef": relocation_coefficients(51)}
+
+    def step_post_backward(self, params, optimizers, state, step, info, lr: float = 0.0):
+        self.last_event = None
+        if self.refine_start_iter < step < self.refine_stop_iter and step % self.refine_every == 0:
+            n_before = params["means"].shape[0]
+            n_reloc = self._relocate(params, optimizers, state["coef"])
+            n_add = self._add(params, optimizers, state["coef"])
+            self.last_event = {"step": step, "relocated": n_reloc, "added": n_add, "clones": 0, "splits": 0,
+                               "prunes": 0, "before": n_before, "gaussians": params["means"].shape[0]}
+        self._inject_noise(params, lr * self.noise_lr)
+
+    @torch.no_grad()
+    def _sample(self, params, coef, candidates: torch.Tensor, n: int):
+        """Draw ``n`` indices among ``candidates`` with probability ~ opacity; their shared opacity/scale."""
+        opac = torch.sigmoid(params["opacities"])
+        idx = candidates[_multinomial_sample(opac[candidates], n, replacement=True)]  # [n]
+        new_o, new_s = compute_relocation_torch(opac[idx], torch.exp(params["scales"])[idx],
+                                                torch.bincount(idx)[idx] + 1, coef)
+        eps = torch.finfo(torch.float32).eps
+        return idx, torch.clamp(new_o, min=self.min_opacity, max=1.0 - eps), new_s
+
+    @torch.no_grad()
+    def _relocate(self, params, optimizers, coef) -> int:
+        dead = torch.sigmoid(params["opacities"]) <= self.min_opacity
+        dead_idx = dead.nonzero(as_tuple=True)[0]
+        alive_idx = (~dead).nonzero(as_tuple=True)[0]
+        n = len(dead_idx)
+        if n == 0 or len(alive_idx) == 0:
+            return 0
+        idx, new_o, new_s = self._sample(params, coef, alive_idx, n)
+
+        def param_fn(name, p):
+            if name == "opacities":
+                p[idx] = torch.logit(new_o)
+            elif name == "scales":
+                p[idx] = torch.log(new_s)
+            p[dead_idx] = p[idx]
+            return torch.nn.Parameter(p, requires_grad=p.requires_grad)
+
+        def optimizer_fn(key, v):
+            v[idx] = 0
+            return v
+
+        _update_param_with_optimizer(param_fn, optimizer_fn, params, optimizers)
+        return n
+
+    @torch.no_grad()
+    def _add(self, params, optimizers, coef) -> int:
+        n_now = params["means"].shape[0]
+        n = max(0, min(self.cap_max, int(1.05 * n_now)) - n_now)
+        if n == 0:
+            return 0
+        idx, new_o, new_s = self._sample(params, coef, torch.arange(n_now), n)
+
+        def param_fn(name, p):
+            if name == "opacities":
+                p[idx] = torch.logit(new_o)
+            elif name == "scales":
+                p[idx] = torch.log(new_s)
+            return torch.nn.Parameter(torch.cat([p, p[idx]]), requires_grad=p.requires_grad)
+
+        def optimizer_fn(key, v):
+            return torch.cat([v, torch.zeros((n, *v.shape[1:]), dtype=v.dtype)])
+
+        _update_param_with_optimizer(param_fn, optimizer_fn, params, optimizers)
+        return n
+
+    @torch.no_grad()
+    def _inject_noise(self, params, scaler: float) -> None:
+        """SGLD position noise ``Sigma eps``, gated to near-transparent Gaussians by ``sigmoid(100 (1 - o - 0.995))``
+        (3DGS-MCMC Eq. 10, gsplat's ``inject_noise_to_position`` with a torch covariance)."""
+        if scaler <= 0:
+            return
+        opac = torch.sigmoid(params["opacities"].flatten())
+        R = normalized_quat_to_rotmat(F.normalize(params["quats"], dim=-1))  # [N, 3, 3]
+        s2 = torch.exp(2.0 * params["scales"])  # [N, 3]
+        cov = (R * s2.unsqueeze(1)) @ R.transpose(1, 2)  # [N, 3, 3] = R diag(s^2) R^T
+        gate = torch.sigmoid(100.0 * ((1.0 - opac) - 0.995)).unsqueeze(-1)  # [N, 1]
+        noise = torch.randn_like(params["means"]) * gate * scaler
+        params["means"].add_(torch.einsum("nij,nj->ni", cov, noise))
+
+
+def make_strategy(dcfg, *, max_steps: int, initial_count: int):
+    """The strategy named by ``train.densify.strategy`` (or None for "none"), with its cap.
+
+    cap = min(max_gaussians, budget_multiplier x initial count) (Taming 3DGS's budget).
+    """
+    cap = int(min(dcfg.max_gaussians, math.floor(dcfg.budget_multiplier * initial_count)))
+    start = int(dcfg.refine_start_fraction * max_steps)
+    stop = int(dcfg.refine_stop_fraction * max_steps)
+    if dcfg.strategy == "default":
+        return BudgetedDefaultStrategy(
+            cap=cap, prune_opa=dcfg.prune_opa, grow_grad2d=dcfg.grow_grad2d, grow_scale3d=dcfg.grow_scale3d,
+            prune_scale3d=dcfg.prune_scale3d, refine_start_iter=start, refine_stop_iter=stop,
+            refine_every=dcfg.refine_every, reset_every=dcfg.reset_every if dcfg.reset_every > 0 else 0,
+            absgrad=dcfg.absgrad)
+    if dcfg.strategy == "mcmc":
+        return TorchMCMCStrategy(cap_max=cap, noise_lr=dcfg.mcmc_noise_lr, refine_start_iter=start,
+                                 refine_stop_iter=stop, refine_every=dcfg.refine_every,
+                                 min_opacity=dcfg.mcmc_min_opacity)
+    return None

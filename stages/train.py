@@ -1,0 +1,65 @@
+"""DVC stage ``train``: Gaussians from the undistorted COLMAP model, trained on the training views only.
+
+Reads ``data/S/undistorted/`` and ``data/S/split.json``; writes ``models/S/train/ckpt.pt``,
+``plots/S/train.csv`` and (through ``stage_main``) ``metrics/S/train.json``. All logic is in
+:mod:`splatflow.train`.
+"""
+
+from __future__ import annotations
+
+import resource
+
+from splatflow.config import Params
+from splatflow.errors import UserError
+from splatflow.paths import ScenePaths
+from splatflow.stage import stage_main
+
+
+def _step_logger():
+    try:
+        from splatflow.tracking import step_logger
+    except ImportError:  # tracking is optional for the stage's own work
+        return None
+    return step_logger("train")
+
+
+def run(params: Params, paths: ScenePaths) -> dict:
+    """Train scene ``paths.scene``; write the checkpoint and CSV; return the metrics dict."""
+    from splatflow.scene.dataset import load_scene
+    from splatflow.train import train
+
+    if not paths.undistorted_dir.exists():
+        raise UserError(f"{paths.undistorted_dir}: not found; run the sfm stage first (`dvc repro sfm@{paths.scene}`)")
+    if not paths.split_json.exists():
+        raise UserError(f"{paths.split_json}: not found; run the split stage first (`dvc repro split@{paths.scene}`)")
+    scene = load_scene(paths.undistorted_dir, paths.split_json)
+    cfg = params.train
+    res = train(scene, cfg, ckpt_path=paths.train_ckpt, csv_path=paths.train_csv, seed=params.base.seed,
+                step_logger=_step_logger())
+    if res.stopped.startswith("sigterm"):
+        # Not a finished stage: DVC must not record it. The checkpoint lets the next run resume.
+        raise SystemExit(f"splatflow train [{paths.scene}]: {res.stopped}; checkpoint saved to {paths.train_ckpt}, "
+                         "rerun the stage to resume")
+    if res.stopped.startswith("nonfinite"):
+        raise UserError(f"training diverged: {res.stopped}. The last good checkpoint is {paths.train_ckpt}; "
+                        "lower train.lr.* (e.g. lr.means or lr.opacities) and rerun")
+    peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux reports KiB
+    refine = [e for e in res.events if "gaussians" in e]
+    return {
+        "steps": res.steps,
+        "stopped": res.stopped,
+        "gaussians": int(res.splats["means"].shape[0]),
+        "train_seconds": round(res.train_seconds, 3),
+        "it_per_s": round(res.it_per_s, 3),
+        "peak_rss_mb": round(peak_rss_mb, 1),
+        "val_psnr": None if res.val_psnr is None else round(res.val_psnr, 4),
+        "refine_events": len(refine),
+    }
+
+
+def main(argv=None) -> None:
+    stage_main("train", run, argv)  # python -m stages.train <scene>
+
+
+if __name__ == "__main__":
+    main()
