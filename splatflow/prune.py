@@ -1,0 +1,368 @@
+"""Global-significance pruning with recovery (LightGaussian, Fan et al., "LightGaussian: Unbounded 3D Gaussian
+Compression with 15x Reduction and 200+ FPS", NeurIPS 2024, arXiv:2311.17245, §3.2).
+
+Why: densification leaves many Gaussians that barely change any pixel (tiny, transparent, or hidden behind
+others). They cost memory, disk and render time for nothing. LightGaussian ranks every Gaussian by how much it
+contributes to the training images and drops the least significant ones, then briefly fine-tunes the rest
+("recovery") so they absorb what the removed ones did.
+
+Global significance (paper Eq. 2): ``GS_j = sum_i 1(G(X_j), r_i) * sigma_j * gamma(Sigma_j)`` over all rays
+``r_i`` of all training views (``M * H * W`` pixels). The indicator times opacity is, in the rasterizer, the
+compositing weight of Gaussian ``j`` at pixel ``i``; like the authors' released rasterizer we use the full weight
+``alpha_ij * T_ij`` (alpha times the transmittance in front of it), so a Gaussian hidden behind an opaque surface
+scores ~0 even where it overlaps the pixel. Our rasterizer returns exactly this per-view sum as
+``info["weight_sum"] [C, N]`` (``return_stats=True``; docs/CONTRACTS.md "Rendering").
+
+Volume term (paper Eq. 3): ``gamma(Sigma_j) = V_norm ** beta``, ``V_norm = min(max(V_j / V_max90, 0), 1)`` with
+``V_j`` the Gaussian's volume (product of its three scales; the 4/3 pi factor cancels in the ratio), ``V_max90``
+the volume 90% of the Gaussians exceed, and ``beta = 0.1``. It keeps a large but faint background Gaussian from
+losing against a tiny one that happens to be sharp; with the clamp it only down-weights the smallest Gaussians.
+Deviation: the authors' code divides by ``V_max90`` without the clamp; we follow the paper's equation.
+
+Phases: pruning all the way to 10% at once destroys the scene; pruning in steps with a short recovery after each
+(the "prune and recover" of the paper, here repeated) lets the survivors adapt. Each phase re-scores the current
+model, so a Gaussian that became important after the previous recovery is kept. Pruning stops early, keeping the
+last accepted phase, when the PSNR on a few TRAINING views falls more than a tolerance below the unpruned model's
+(test views stay untouched, DESIGN.md §6).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from splatflow.errors import UserError
+from splatflow.model import SPLAT_KEYS
+
+# A recovery fine-tune: (splats, sh_degree, steps, description) -> fine-tuned splats (detached float32 CPU).
+FinetuneFn = Callable[[dict, int, int, str], dict]
+
+
+# --------------------------------------------------------------------------------------------- cameras
+
+
+@dataclass(frozen=True)
+class Camera:
+    """One view as the rasterizer wants it: world-to-camera ``[4, 4]``, intrinsics ``[3, 3]``, size in px."""
+
+    world_to_cam: np.ndarray
+    K: np.ndarray
+    width: int
+    height: int
+
+
+def cameras_at(views: Sequence, factor: float) -> list[Camera]:
+    """Cameras of ``views`` (``splatflow.scene.dataset.View``) at resolution ``factor`` (intrinsics rescaled)."""
+    from splatflow.train.images import level_size, scale_intrinsics
+
+    cams = []
+    for v in views:
+        w, h = level_size(v.width, v.height, factor)
+        cams.append(Camera(np.asarray(v.world_to_cam, dtype=np.float64), scale_intrinsics(v.K, v.width, v.height,
+                                                                                            w, h), w, h))
+    return cams
+
+
+# --------------------------------------------------------------------------------------------- scoring
+
+
+def activated(splats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rasterizer inputs from stored parameters: real scales, opacities in [0, 1], SH ``[N, K, 3]``."""
+    return {
+        "means": splats["means"],
+        "quats": splats["quats"],
+        "scales": torch.exp(splats["scales"]),
+        "opacities": torch.sigmoid(splats["opacities"]),
+        "colors": torch.cat([splats["sh0"], splats["shN"]], dim=1),  # [N, K, 3]
+    }
+
+
+def volume_weight(log_scales: torch.Tensor, beta: float = 0.1, ref_quantile: float = 0.1) -> torch.Tensor:
+    """LightGaussian's ``gamma(Sigma) = clamp(V / V_ref, 0, 1) ** beta`` per Gaussian, ``[N]``.
+
+    ``V = prod(scales)`` (computed in log space, so tiny Gaussians do not underflow); ``V_ref`` is the volume at
+    quantile ``ref_quantile`` of the ascending order, i.e. the one a fraction ``1 - ref_quantile`` of the
+    Gaussians exceed (paper: "the 90% largest", ``ref_quantile = 0.1``). ``beta = 0`` disables the term.
+    """
+    n = log_scales.shape[0]
+    if n == 0 or beta == 0.0:
+        return torch.ones(n, dtype=torch.float64)
+    log_v = log_scales.double().sum(dim=-1)  # [N] log volume (up to the constant 4/3 pi)
+    idx = min(n - 1, max(0, int(math.floor(ref_quantile * n))))
+    log_ref = torch.sort(log_v).values[idx]
+    return torch.exp(beta * torch.clamp(log_v - log_ref, max=0.0))  # clamp(V / V_ref, 0, 1) ** beta
+
+
+def _resolve_backend(backend: str) -> str:
+    if backend == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return backend
+
+
+@torch.no_grad()
+def view_weight_sums(splats: dict[str, torch.Tensor], cameras: Sequence[Camera], *, backend: str = "auto",
+                     progress: bool = False, desc: str = "significance") -> torch.Tensor:
+    """``sum over views of info["weight_sum"]``: each Gaussian's summed ``alpha * T`` over all pixels, ``[N]``.
+
+    One view per rasterizer call, so memory stays that of one image whatever the number of views. Colours do
+    not change the weights, so the renders use constant RGB (no SH evaluation).
+    """
+    from splatflow.render import rasterize
+
+    backend = _resolve_backend(backend)
+    a = activated(splats)
+    n = a["means"].shape[0]
+    total = torch.zeros(n, dtype=torch.float64)
+    if n == 0:
+        return total
+    rgb = torch.zeros(n, 3)  # [N, 3]: weights do not depend on colour
+    for cam in tqdm(cameras, desc=desc, disable=not progress, leave=False):
+        viewmat = torch.as_tensor(cam.world_to_cam, dtype=torch.float32)[None]  # [1, 4, 4]
+        K = torch.as_tensor(cam.K, dtype=torch.float32)[None]  # [1, 3, 3]
+        _, _, info = rasterize(a["means"], a["quats"], a["scales"], a["opacities"], rgb, viewmat, K,
+                               cam.width, cam.height, backend=backend, return_stats=True)
+        if "weight_sum" not in info:
+            # gsplat's CUDA rasterizer has no per-Gaussian weight output; our wrapper must provide it.
+            raise UserError(f"the {backend!r} rasterizer backend returned no per-Gaussian weight sums, which "
+                            "significance pruning needs; set prune.backend: cpu in params.yaml")
+        total += info["weight_sum"][0].double().cpu()  # [N]
+    return total
+
+
+def significance(splats: dict[str, torch.Tensor], cameras: Sequence[Camera], *, beta: float = 0.1,
+                 ref_quantile: float = 0.1, backend: str = "auto", progress: bool = False) -> torch.Tensor:
+    """LightGaussian global significance ``GS_j`` of every Gaussian over ``cameras`` (training views), ``[N]``."""
+    weights = view_weight_sums(splats, cameras, backend=backend, progress=progress)
+    return weights * volume_weight(splats["scales"], beta, ref_quantile)
+
+
+def top_indices(scores: torch.Tensor, n_keep: int) -> torch.Tensor:
+    """Indices of the ``n_keep`` highest scores, in ascending index order (ties: the lower index wins).
+
+    A stable sort makes the kept set deterministic; ascending order keeps the survivors' storage order.
+    """
+    n_keep = max(0, min(int(n_keep), scores.shape[0]))
+    order = torch.sort(-scores, stable=True).indices  # [N] best first
+    return torch.sort(order[:n_keep]).values
+
+
+def select(splats: dict[str, torch.Tensor], idx: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The Gaussians ``idx`` of every parameter (detached contiguous copies)."""
+    return {k: splats[k].detach()[idx].contiguous().clone() for k in SPLAT_KEYS}
+
+
+def splats_size_mb(splats: dict[str, torch.Tensor]) -> float:
+    """Size of the parameters as stored (float32), in MB (10^6 bytes): what pruning saves on disk."""
+    return sum(splats[k].numel() * splats[k].element_size() for k in SPLAT_KEYS) / 1e6
+
+
+def keep_schedule(keep_first: float, keep_decay: float, phases: int) -> list[float]:
+    """Cumulative keep fractions of the original count, one per phase; phases that keep everything are dropped.
+
+    Default 0.6 * 0.7^k for k = 0..5: 0.60, 0.42, 0.294, 0.206, 0.144, 0.101.
+    """
+    fracs = [keep_first * keep_decay ** k for k in range(phases)]
+    return [f for f in fracs if f < 1.0]
+
+
+# --------------------------------------------------------------------------------------------- validation
+
+
+@torch.no_grad()
+def render_rgb(splats: dict[str, torch.Tensor], sh_degree: int, cam: Camera, backend: str = "auto") -> torch.Tensor:
+    """One view ``[H, W, 3]`` in [0, 1] (black background, as training)."""
+    from splatflow.render import rasterize
+
+    a = activated(splats)
+    viewmat = torch.as_tensor(cam.world_to_cam, dtype=torch.float32)[None]  # [1, 4, 4]
+    K = torch.as_tensor(cam.K, dtype=torch.float32)[None]  # [1, 3, 3]
+    colors, _, _ = rasterize(a["means"], a["quats"], a["scales"], a["opacities"], a["colors"], viewmat, K,
+                             cam.width, cam.height, sh_degree=sh_degree, backend=_resolve_backend(backend))
+    return colors[0, ..., :3].clamp(0.0, 1.0)  # [H, W, 3]
+
+
+@torch.no_grad()
+def mean_psnr(splats: dict[str, torch.Tensor], sh_degree: int, cameras: Sequence[Camera],
+              targets: Sequence[torch.Tensor], backend: str = "auto") -> float:
+    """Mean per-view PSNR (dB) of renders against ``targets`` ``[H, W, 3]`` in [0, 1]."""
+    from splatflow.metrics import psnr
+
+    vals = [psnr(render_rgb(splats, sh_degree, cam, backend), tgt) for cam, tgt in zip(cameras, targets)]
+    return float(np.mean(vals)) if vals else float("nan")
+
+
+def val_indices(n_train: int, n_val: int) -> list[int]:
+    """``n_val`` evenly spaced indices into the training views (all of them when there are fewer)."""
+    if n_train <= n_val:
+        return list(range(n_train))
+    return sorted({int(round(x)) for x in np.linspace(0, n_train - 1, n_val)})
+
+
+# --------------------------------------------------------------------------------------------- driver
+
+
+@dataclass
+class PruneResult:
+    splats: dict[str, torch.Tensor]
+    report: dict = field(default_factory=dict)
+
+
+def prune_phases(splats: dict[str, torch.Tensor], sh_degree: int, *, score_cameras: Sequence[Camera],
+                 val_cameras: Sequence[Camera], val_targets: Sequence[torch.Tensor], keep_fractions: Sequence[float],
+                 finetune: FinetuneFn | None, finetune_steps: int, max_psnr_drop_db: float, beta: float = 0.1,
+                 ref_quantile: float = 0.1, backend: str = "auto", progress: bool = True,
+                 phase_callback: Callable[[dict, dict], None] | None = None) -> PruneResult:
+    """Prune ``splats`` in phases down to ``keep_fractions`` (of the ORIGINAL count), recovering after each.
+
+    Each phase: score the current model on ``score_cameras`` (training views), keep the top
+    ``round(fraction * N0)``, fine-tune ``finetune_steps`` steps, measure validation PSNR. A phase whose PSNR is
+    more than ``max_psnr_drop_db`` below the unpruned model's is rejected and pruning stops; the result is the
+    last accepted phase (the unpruned model if the first phase is rejected). ``phase_callback(record, splats)``
+    is called after every phase (accepted or not), e.g. for the benchmark's test-view PSNR.
+
+    Returns the splats and a report with the keys of ``metrics/S/prune.json``.
+    """
+    n0 = int(splats["means"].shape[0])
+    if n0 == 0:
+        raise UserError("the trained checkpoint holds no Gaussians; rerun the train stage")
+    current = {k: splats[k].detach().clone() for k in SPLAT_KEYS}
+    psnr_before = mean_psnr(current, sh_degree, val_cameras, val_targets, backend)
+    floor_db = psnr_before - max_psnr_drop_db
+    report: dict = {
+        "gaussians_before": n0,
+        "size_mb_before": round(splats_size_mb(current), 4),
+        "val_psnr_before": psnr_before,
+        "phases": [],
+        "stopped_early": False,
+        "stop_reason": None,
+    }
+    accepted_psnr = psnr_before
+    bar = tqdm(list(enumerate(keep_fractions, start=1)), desc="prune phases", disable=not progress)
+    for phase, frac in bar:
+        t0 = time.perf_counter()
+        n_keep = max(1, int(round(frac * n0)))
+        n_cur = current["means"].shape[0]
+        if n_keep >= n_cur:  # the schedule asks for nothing new (e.g. decay 1.0)
+            continue
+        scores = significance(current, score_cameras, beta=beta, ref_quantile=ref_quantile, backend=backend,
+                              progress=progress)
+        candidate = select(current, top_indices(scores, n_keep))
+        steps = int(finetune_steps) if finetune is not None else 0
+        if steps > 0:
+            candidate = finetune(candidate, sh_degree, steps, f"recover phase {phase}")
+        val = mean_psnr(candidate, sh_degree, val_cameras, val_targets, backend)
+        ok = bool(val >= floor_db)
+        record = {"phase": phase, "keep_fraction": round(float(frac), 6), "gaussians": n_keep,
+                  "size_mb": round(splats_size_mb(candidate), 4), "val_psnr": val, "finetune_steps": steps,
+                  "accepted": ok, "seconds": round(time.perf_counter() - t0, 3)}
+        report["phases"].append(record)
+        bar.set_postfix(gaussians=n_keep, val_psnr=f"{val:.2f}")
+        if phase_callback is not None:
+            phase_callback(record, candidate)
+        if not ok:
+            report["stopped_early"] = True
+            report["stop_reason"] = (f"phase {phase} (keep {frac:.3f}) gave validation PSNR {val:.2f} dB, more "
+                                     f"than {max_psnr_drop_db:g} dB below the unpruned {psnr_before:.2f} dB; "
+                                     f"kept phase {phase - 1}")
+            break
+        current, accepted_psnr = candidate, val
+    bar.close()
+    report.update({
+        "gaussians_after": int(current["means"].shape[0]),
+        "size_mb_after": round(splats_size_mb(current), 4),
+        "val_psnr_after": accepted_psnr,
+    })
+    return PruneResult(current, report)
+
+
+def val_set(scene, n_views: int, factor: float, image_cache_mb: int = 256) -> tuple[list[Camera], list[torch.Tensor]]:
+    """Validation cameras and targets: ``n_views`` evenly spaced TRAINING views at ``factor`` (never test views).
+
+    Images come from the training image cache (area-downsampled, intrinsics scaled to match).
+    """
+    from splatflow.train.images import ImageCache
+
+    views = list(scene.train_views)
+    cache = ImageCache(views, image_cache_mb)
+    cams, targets = [], []
+    for i in val_indices(len(views), n_views):
+        img, K = cache.get(i, factor)  # [H, W, 3], [3, 3]
+        cams.append(Camera(np.asarray(views[i].world_to_cam, dtype=np.float64), K, img.shape[1], img.shape[0]))
+        targets.append(img)
+    return cams, targets
+
+
+def run_prune(cfg, train_cfg, *, train_ckpt, out_ckpt, undistorted_dir=None, split_json=None, scene=None,
+              seed: int = 0, phase_callback: Callable[[dict, dict], None] | None = None) -> dict:
+    """The prune stage's work: read the trained checkpoint, prune (or copy), write ``out_ckpt``, return metrics.
+
+    ``cfg`` is :class:`splatflow.config.PruneConfig`; ``train_cfg`` the :class:`TrainConfig` whose learning rates
+    and loss the recovery fine-tune (:func:`splatflow.train.finetune`) reuses. ``scene`` (a ``SceneData``) may
+    be given instead of ``undistorted_dir``/``split_json``. The written checkpoint holds ``splats``,
+    ``sh_degree`` and the training ``step`` only (no optimizer state).
+    """
+    from splatflow.model import load_checkpoint, save_checkpoint
+
+    ckpt = load_checkpoint(train_ckpt)
+    splats, sh_degree = _checked_splats(ckpt, train_ckpt)
+    if scene is None:
+        from splatflow.scene.dataset import load_scene
+
+        scene = load_scene(undistorted_dir, split_json)
+    if not scene.train_views:
+        raise UserError(f"{split_json}: no training views; check the split stage's output and params")
+
+    schedule = keep_schedule(cfg.keep_first, cfg.keep_decay, cfg.phases) if cfg.enabled else []
+    val_cams, val_targets = val_set(scene, cfg.val_views, cfg.val_factor)
+
+    if not schedule:  # no-op: copy the trained splats, still measure and write everything
+        psnr = mean_psnr(splats, sh_degree, val_cams, val_targets, cfg.backend)
+        why = "prune.enabled is false" if not cfg.enabled else "the keep schedule keeps every Gaussian"
+        result = PruneResult({k: v.clone() for k, v in splats.items()}, {
+            "gaussians_before": int(splats["means"].shape[0]), "size_mb_before": round(splats_size_mb(splats), 4),
+            "val_psnr_before": psnr, "phases": [], "stopped_early": False, "stop_reason": f"no-op: {why}",
+            "gaussians_after": int(splats["means"].shape[0]), "size_mb_after": round(splats_size_mb(splats), 4),
+            "val_psnr_after": psnr})
+    else:
+        from splatflow.train import finetune as _finetune
+
+        def recover(s: dict, deg: int, steps: int, desc: str) -> dict:
+            return _finetune(s, scene, steps, train_cfg, sh_degree=deg, seed=seed, progress=cfg.progress,
+                             backend=cfg.backend)
+
+        result = prune_phases(
+            splats, sh_degree, score_cameras=cameras_at(scene.train_views, cfg.score_factor), val_cameras=val_cams,
+            val_targets=val_targets, keep_fractions=schedule, finetune=recover, finetune_steps=cfg.finetune_steps,
+            max_psnr_drop_db=cfg.max_psnr_drop_db, beta=cfg.volume_beta, ref_quantile=cfg.volume_ref_quantile,
+            backend=cfg.backend, progress=cfg.progress, phase_callback=phase_callback)
+
+    save_checkpoint(out_ckpt, {"splats": {k: result.splats[k].float().contiguous() for k in SPLAT_KEYS},
+                               "sh_degree": sh_degree, "step": int(ckpt.get("step", 0))})
+    r = result.report
+    order = ("gaussians_before", "gaussians_after", "size_mb_before", "size_mb_after", "val_psnr_before",
+             "val_psnr_after", "phases", "stopped_early", "stop_reason")
+    metrics = {k: r[k] for k in order}
+    metrics.update({"keep_fraction_final": r["gaussians_after"] / max(1, r["gaussians_before"]),
+                    "val_views": len(val_cams), "val_factor": cfg.val_factor, "sh_degree": sh_degree})
+    return metrics
+
+
+def _checked_splats(ckpt: dict, path) -> tuple[dict[str, torch.Tensor], int]:
+    """The checkpoint's splats as float32 CPU tensors, with their shapes checked against each other."""
+    splats = ckpt["splats"]
+    missing = [k for k in SPLAT_KEYS if k not in splats]
+    if missing:
+        raise UserError(f"{path}: checkpoint lacks {', '.join(missing)}; rerun the train stage")
+    splats = {k: splats[k].detach().float().cpu().contiguous() for k in SPLAT_KEYS}
+    n = splats["means"].shape[0]
+    bad = [k for k in SPLAT_KEYS if splats[k].shape[0] != n]
+    if bad or not all(torch.isfinite(v).all() for v in splats.values()):
+        raise UserError(f"{path}: inconsistent or non-finite Gaussian parameters ({', '.join(bad) or 'NaN/Inf'}); "
+                        "rerun the train stage")
+    return splats, int(ckpt.get("sh_degree", 0))

@@ -1,0 +1,251 @@
+"""Prune stage (issue 5): LightGaussian significance, the kept set, early stop, no-op and checkpoint I/O.
+
+The scene is built so the answer is known: 20 large opaque Gaussians on a grid in front of three cameras carry
+the picture; 80 others cannot matter (sub-pixel and faint, below the 1/255 alpha threshold, hidden right behind
+an opaque one, or behind the cameras). Images are rendered from all 100 plus a little noise.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import cv2
+import numpy as np
+import pytest
+import torch
+
+from splatflow import prune
+from splatflow.config import PruneConfig, TrainConfig
+from splatflow.model import load_checkpoint, load_splats, save_checkpoint
+from splatflow.render.projection import project_gaussians
+
+W, H = 64, 48
+K = np.array([[60.0, 0.0, 32.0], [0.0, 60.0, 24.0], [0.0, 0.0, 1.0]])
+N_BIG = 20
+BACKEND = "cpu"
+
+
+def _logit(p: float) -> float:
+    return math.log(p / (1.0 - p))
+
+
+def _w2c(x_m: float) -> np.ndarray:
+    """Camera at (x_m, 0, 0) looking down +z (OpenCV axes)."""
+    m = np.eye(4)
+    m[0, 3] = -x_m
+    return m
+
+
+def make_splats(seed: int = 0) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
+    """100 Gaussians: ``groups`` maps big/tiny/transparent/hidden/behind to their indices."""
+    g = torch.Generator().manual_seed(seed)
+    xs, ys = np.meshgrid(np.linspace(-1.4, 1.4, 5), np.linspace(-1.05, 1.05, 4))
+    big = np.stack([xs.ravel(), ys.ravel(), np.full(20, 4.0)], 1)
+    tiny = np.stack([np.linspace(-1.5, 1.5, 30), np.full(30, 1.3), np.full(30, 4.0)], 1)  # a row below the grid
+    transparent = np.stack([np.linspace(-1.0, 1.0, 25), np.zeros(25), np.full(25, 3.0)], 1)
+    hidden = big * 1.5  # on the ray from the middle camera through an opaque one, further away
+    behind = np.stack([np.linspace(-0.5, 0.5, 5), np.zeros(5), np.full(5, -1.0)], 1)
+    means = np.concatenate([big, tiny, transparent, hidden, behind]).astype(np.float32)  # [100, 3]
+    scale = np.concatenate([np.full(20, 0.18), np.full(30, 0.002), np.full(25, 0.3), np.full(20, 0.03),
+                            np.full(5, 0.2)])
+    # faint: 0.02 is above the 1/255 alpha threshold (drawn); 0.003 is below (never drawn)
+    opac = np.concatenate([np.linspace(0.95, 0.99, 20), np.full(30, 0.02), np.full(25, 0.003), np.full(20, 0.5),
+                           np.full(5, 0.9)])
+    n = len(means)
+    perm = torch.randperm(n, generator=g).numpy()  # shuffle so the answer is not "the first 20"
+    means, scale, opac = means[perm], scale[perm], opac[perm]
+    inv = np.argsort(perm)
+    groups = {"big": inv[:20], "tiny": inv[20:50], "transparent": inv[50:75], "hidden": inv[75:95],
+              "behind": inv[95:]}
+    splats = {
+        "means": torch.from_numpy(means),
+        "quats": torch.nn.functional.normalize(torch.randn(n, 4, generator=g), dim=-1),
+        "scales": torch.log(torch.from_numpy(scale).float())[:, None].repeat(1, 3)
+        + 0.1 * torch.randn(n, 3, generator=g) * torch.from_numpy(scale != 0.18)[:, None],  # big: isotropic
+        "opacities": torch.tensor([_logit(p) for p in opac], dtype=torch.float32),
+        "sh0": (torch.rand(n, 1, 3, generator=g) - 0.5) * 3.0,
+        "shN": torch.zeros(n, 3, 3),  # SH degree 1 allocated, zero
+    }
+    return splats, groups
+
+
+def cameras() -> list[prune.Camera]:
+    return [prune.Camera(_w2c(x), K, W, H) for x in (-0.1, 0.0, 0.1)]
+
+
+@pytest.fixture(scope="module")
+def scene_files(tmp_path_factory):
+    """Three training views (rendered from the 100 Gaussians + noise) and one test view, as PNG files."""
+    splats, groups = make_splats()
+    root = tmp_path_factory.mktemp("prune_scene")
+    rng = np.random.default_rng(0)
+    views = []
+    for i, x in enumerate((-0.1, 0.0, 0.1, 0.05)):
+        cam = prune.Camera(_w2c(x), K, W, H)
+        img = prune.render_rgb(splats, 1, cam, BACKEND).numpy()
+        img = np.clip(img + rng.normal(0, 0.01, img.shape), 0, 1)
+        path = root / f"view{i}.png"
+        cv2.imwrite(str(path), cv2.cvtColor((img * 255).round().astype(np.uint8), cv2.COLOR_RGB2BGR))
+        views.append(SimpleNamespace(name=path.name, image_path=path, width=W, height=H, K=K,
+                                     world_to_cam=_w2c(x)))
+    scene = SimpleNamespace(views=views, train_views=views[:3], test_views=views[3:],
+                            points=np.zeros((0, 3), np.float32), colors=np.zeros((0, 3), np.uint8))
+    ckpt = root / "train" / "ckpt.pt"
+    save_checkpoint(ckpt, {"splats": splats, "sh_degree": 1, "step": 123,
+                           "optimizers": {"means": {"state": "dummy"}}})
+    return SimpleNamespace(splats=splats, groups=groups, scene=scene, ckpt=ckpt, root=root)
+
+
+# ----------------------------------------------------------------------------------------------- scoring
+
+
+def brute_force_weight_sums(splats: dict, cams: list[prune.Camera]) -> torch.Tensor:
+    """Dense compositing, no tiles: every pixel against every Gaussian in depth order (gsplat's rules:
+    alpha = min(0.999, o exp(-sigma)), skip alpha < 1/255 or sigma < 0, stop before T would reach 1e-4)."""
+    a = prune.activated(splats)
+    total = torch.zeros(a["means"].shape[0], dtype=torch.float64)
+    for cam in cams:
+        p = project_gaussians(a["means"].double(), a["quats"].double(), a["scales"].double(),
+                              a["opacities"].double(), torch.from_numpy(cam.world_to_cam)[None],
+                              torch.from_numpy(cam.K)[None], cam.width, cam.height)
+        valid = (p["radii"][0] > 0).all(-1)  # [N]
+        ids = torch.nonzero(valid).flatten()
+        ids = ids[torch.argsort(p["depths"][0, ids], stable=True)]  # front to back
+        m2, con, op = p["means2d"][0, ids], p["conics"][0, ids], p["opacities"][0, ids]
+        yy, xx = torch.meshgrid(torch.arange(cam.height), torch.arange(cam.width), indexing="ij")
+        pix = torch.stack([xx.reshape(-1), yy.reshape(-1)], -1).double() + 0.5  # [P, 2]
+        dx = m2[None, :, 0] - pix[:, None, 0]  # [P, M]
+        dy = m2[None, :, 1] - pix[:, None, 1]
+        sigma = 0.5 * (con[:, 0] * dx**2 + con[:, 2] * dy**2) + con[:, 1] * dx * dy
+        alpha = torch.clamp(op * torch.exp(-sigma), max=0.999)
+        alpha = torch.where((sigma >= 0) & (alpha >= 1 / 255), alpha, 0.0)
+        alive = torch.cumprod(1 - alpha, dim=1) > 1e-4
+        alpha = torch.where(alive, alpha, 0.0)
+        T = torch.cumprod(torch.cat([torch.ones(len(pix), 1, dtype=alpha.dtype), 1 - alpha[:, :-1]], 1), 1)
+        total.index_add_(0, ids, (alpha * T).sum(0))
+    return total
+
+
+def test_volume_weight_matches_paper_definition():
+    log_s = torch.log(torch.tensor([[1.0, 1.0, 1.0], [0.1, 0.1, 0.1], [0.5, 0.5, 0.5], [2.0, 1.0, 1.0]] * 5))
+    w = prune.volume_weight(log_s, beta=0.1, ref_quantile=0.1)
+    v = torch.exp(log_s.double()).prod(-1)
+    v_ref = torch.sort(v).values[2]  # floor(0.1 * 20) = 2 in ascending order: 90% are at least this large
+    assert torch.allclose(w, torch.clamp(v / v_ref, 0, 1) ** 0.1)
+    assert w.max() == 1.0 and math.isclose(float(w.min()), (0.001 / 0.001) ** 0.1)  # ref is itself a 0.1^3 one
+    assert torch.equal(prune.volume_weight(log_s, beta=0.0), torch.ones(20, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_significance_matches_brute_force(backend):
+    splats, _ = make_splats()
+    cams = cameras()
+    ours = prune.significance(splats, cams, beta=0.1, ref_quantile=0.1, backend=backend)
+    truth = brute_force_weight_sums(splats, cams)
+    vol = torch.exp(splats["scales"].double()).prod(-1)
+    v_ref = torch.sort(vol).values[int(0.1 * len(vol))]
+    truth = truth * torch.clamp(vol / v_ref, 0, 1) ** 0.1
+    assert truth.max() > 10  # the big Gaussians cover many pixels
+    torch.testing.assert_close(ours, truth, rtol=1e-4, atol=1e-4)
+
+
+def test_keeps_exactly_the_significant_gaussians():
+    splats, groups = make_splats()
+    scores = prune.significance(splats, cameras(), backend=BACKEND)
+    kept = prune.top_indices(scores, N_BIG)
+    assert set(kept.tolist()) == set(groups["big"].tolist())
+    # nothing transparent or behind the cameras scores at all; hidden and sub-pixel ones score far less
+    assert float(scores[groups["transparent"]].max()) == 0.0 and float(scores[groups["behind"]].max()) == 0.0
+    assert scores[groups["big"]].min() > 5 * scores[groups["hidden"]].max()
+    assert scores[groups["big"]].min() > 5 * scores[groups["tiny"]].max()
+    sub = prune.select(splats, kept)
+    assert all(torch.equal(sub[k], splats[k][kept]) for k in sub)
+
+
+def test_keep_schedule():
+    fr = prune.keep_schedule(0.6, 0.7, 6)
+    assert [round(f, 4) for f in fr] == [0.6, 0.42, 0.294, 0.2058, 0.1441, 0.1008]
+    assert prune.keep_schedule(1.0, 1.0, 6) == [] and prune.keep_schedule(0.6, 0.7, 0) == []
+
+
+# ----------------------------------------------------------------------------------------------- phases
+
+
+def _val(scene_files):
+    return prune.val_set(scene_files.scene, 3, 1.0)
+
+
+def test_early_stop_keeps_last_phase_within_tolerance(scene_files):
+    """Phases keeping >= 20 lose only negligible Gaussians; the 5th (14 of 100) removes opaque ones: rejected."""
+    cams, targets = _val(scene_files)
+    seen = []
+    res = prune.prune_phases(scene_files.splats, 1, score_cameras=cameras(), val_cameras=cams, val_targets=targets,
+                             keep_fractions=prune.keep_schedule(0.6, 0.7, 6), finetune=None, finetune_steps=0,
+                             max_psnr_drop_db=0.5, backend=BACKEND, progress=False,
+                             phase_callback=lambda rec, s: seen.append(s["means"].shape[0]))
+    r = res.report
+    assert [p["gaussians"] for p in r["phases"]] == [60, 42, 29, 21, 14] == seen
+    assert [p["accepted"] for p in r["phases"]] == [True, True, True, True, False]
+    assert r["stopped_early"] and "phase 5" in r["stop_reason"]
+    assert r["gaussians_after"] == 21 and res.splats["means"].shape[0] == 21
+    assert r["val_psnr_before"] - r["val_psnr_after"] <= 0.5
+    assert r["val_psnr_before"] - r["phases"][-1]["val_psnr"] > 0.5
+    # the survivors are the 20 opaque Gaussians plus one more
+    kept_means = {tuple(m) for m in res.splats["means"].tolist()}
+    assert {tuple(m) for m in scene_files.splats["means"][scene_files.groups["big"]].tolist()} <= kept_means
+
+
+def test_zero_tolerance_rejects_first_phase_and_keeps_the_model(scene_files):
+    cams, targets = _val(scene_files)
+    res = prune.prune_phases(scene_files.splats, 1, score_cameras=cameras(), val_cameras=cams, val_targets=targets,
+                             keep_fractions=[0.1], finetune=None, finetune_steps=0, max_psnr_drop_db=0.0,
+                             backend=BACKEND, progress=False)
+    assert res.report["stopped_early"] and res.report["gaussians_after"] == 100
+    assert all(torch.equal(res.splats[k], scene_files.splats[k]) for k in res.splats)
+
+
+# ----------------------------------------------------------------------------------------------- stage work
+
+
+def _cfg(**kw) -> PruneConfig:
+    base = dict(val_views=3, val_factor=1.0, backend=BACKEND, progress=False, finetune_steps=0)
+    base.update(kw)
+    return PruneConfig(**base)
+
+
+@pytest.mark.parametrize("cfg", [dict(enabled=False), dict(phases=0), dict(keep_first=1.0, keep_decay=1.0)])
+def test_noop_copies_the_model_and_writes_outputs(scene_files, tmp_path, cfg):
+    out = tmp_path / "prune" / "ckpt.pt"
+    m = prune.run_prune(_cfg(**cfg), TrainConfig(), train_ckpt=scene_files.ckpt, out_ckpt=out,
+                        scene=scene_files.scene)
+    splats, deg = load_splats(out)
+    assert deg == 1 and all(torch.equal(splats[k], scene_files.splats[k]) for k in splats)
+    assert m["gaussians_before"] == m["gaussians_after"] == 100 and m["phases"] == []
+    assert m["size_mb_before"] == m["size_mb_after"] > 0
+    assert m["val_psnr_before"] == m["val_psnr_after"] > 30  # the noisy targets: ~40 dB
+    assert m["stop_reason"].startswith("no-op")
+
+
+def test_prune_with_recovery_writes_a_loadable_checkpoint(scene_files, tmp_path):
+    """The full stage work with the real recovery fine-tune; the checkpoint round-trips without optimizer state."""
+    out = tmp_path / "prune" / "ckpt.pt"
+    m = prune.run_prune(_cfg(keep_first=0.5, keep_decay=0.5, phases=2, finetune_steps=5, max_psnr_drop_db=3.0),
+                        TrainConfig(backend=BACKEND, image_cache_mb=16), train_ckpt=scene_files.ckpt,
+                        out_ckpt=out, scene=scene_files.scene)
+    assert [p["gaussians"] for p in m["phases"]] == [50, 25]
+    assert all(p["finetune_steps"] == 5 and p["accepted"] for p in m["phases"])
+    assert m["gaussians_after"] == 25 and not m["stopped_early"]
+    assert m["size_mb_after"] == pytest.approx(m["size_mb_before"] / 4)
+    raw = load_checkpoint(out)
+    assert set(raw) == {"splats", "sh_degree", "step"} and raw["step"] == 123 and raw["sh_degree"] == 1
+    splats, deg = load_splats(out)
+    assert splats["means"].shape == (25, 3) and splats["shN"].shape == (25, 3, 3) and deg == 1
+    assert all(v.dtype == torch.float32 and torch.isfinite(v).all() for v in splats.values())
+    # the fine-tune moved the parameters (recovery ran) and the opaque ones all survived
+    big = scene_files.splats["means"][scene_files.groups["big"]]
+    dist = torch.cdist(big, splats["means"]).min(dim=1).values
+    assert float(dist.max()) < 0.05
+    nearest = torch.cdist(splats["means"], scene_files.splats["means"]).argmin(dim=1)  # [25] original index
+    assert float((splats["sh0"] - scene_files.splats["sh0"][nearest]).abs().max()) > 1e-4  # recovery ran
+    assert m["val_psnr_after"] > m["val_psnr_before"] - 3.0
