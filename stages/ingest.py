@@ -27,7 +27,9 @@ def run(params: Params, paths: ScenePaths) -> dict:
           f" -> {paths.images_dir}")
     for r in result.rejected:
         print(f"  rejected {r.file}: {r.reason}: {r.detail}")
-    return result.metrics()
+    metrics = result.metrics()
+    metrics["source"] = params.scene(paths.scene).source  # as written in params.yaml: same on every clone
+    return metrics
 
 
 def main(argv: list[str] | None = None) -> None:

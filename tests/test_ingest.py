@@ -264,6 +264,36 @@ def test_video_blurry_window_and_static_camera_rejected(tmp_path):
     assert len(result.kept) == 4
 
 
+# A valid 2-frame 64x64 AV1 MP4 (872 bytes, written once with PyAV's libsvtav1 encoder; PyAV decodes both
+# frames). OpenCV's FFmpeg build opens it, reports 2 frames and fourcc AV01, then decodes none, without an error.
+AV1_MP4_B64 = (
+    "AAAAIGZ0eXBpc29tAAACAGlzb21hdjAxaXNvMm1wNDEAAAAIZnJlZQAAADttZGF0CgoAAAACr/+NXzAIMhAQALCCBRQggQAA"
+    "CACVzxmAMhMwAgQJJJI7GAAAAgAAAAAALDpwAAADBW1vb3YAAABsbXZoZAAAAAAAAAAAAAAAAAAAA+gAAABUAAEAAAEAAAAA"
+    "AAAAAAAAAAABAAAAAAAAAAAAAAAAAAAAAQAAAAAAAAAAAAAAAAAAQAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAIA"
+    "AAIvdHJhawAAAFx0a2hkAAAAAwAAAAAAAAAAAAAAAQAAAAAAAABUAAAAAAAAAAAAAAAAAAAAAAABAAAAAAAAAAAAAAAAAAAA"
+    "AQAAAAAAAAAAAAAAAAAAQAAAAABAAAAAQAAAAAAAJGVkdHMAAAAcZWxzdAAAAAAAAAABAAAAVAAAAAAAAQAAAAABp21kaWEA"
+    "AAAgbWRoZAAAAAAAAAAAAAAAAAAAMAAAAAQAVcQAAAAAAC1oZGxyAAAAAAAAAAB2aWRlAAAAAAAAAAAAAAAAVmlkZW9IYW5k"
+    "bGVyAAAAAVJtaW5mAAAAFHZtaGQAAAABAAAAAAAAAAAAAAAkZGluZgAAABxkcmVmAAAAAAAAAAEAAAAMdXJsIAAAAAEAAAES"
+    "c3RibAAAAJJzdHNkAAAAAAAAAAEAAACCYXYwMQAAAAAAAAABAAAAAAAAAAAAAAAAAAAAAABAAEAASAAAAEgAAAAAAAAAAQAA"
+    "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAABj//wAAABhhdjFDgQAMAAoKAAAAAq//gF8ACAAAABRidHJ0AAAAAAAA"
+    "EyAAABMgAAAAGHN0dHMAAAAAAAAAAQAAAAIAAAIAAAAAFHN0c3MAAAAAAAAAAQAAAAEAAAAcc3RzYwAAAAAAAAABAAAAAQAA"
+    "AAIAAAABAAAAHHN0c3oAAAAAAAAAAAAAAAIAAAAeAAAAFQAAABRzdGNvAAAAAAAAAAEAAAAwAAAAYnVkdGEAAABabWV0YQAA"
+    "AAAAAAAhaGRscgAAAAAAAAAAbWRpcmFwcGwAAAAAAAAAAAAAAAAtaWxzdAAAACWpdG9vAAAAHWRhdGEAAAABAAAAAExhdmY2"
+    "Mi4xMi4xMDI="
+)
+
+
+def test_av1_video_fails_clearly_instead_of_yielding_nothing(tmp_path):
+    import base64
+
+    video = tmp_path / "phone.mp4"
+    video.write_bytes(base64.b64decode(AV1_MP4_B64))
+    with pytest.raises(UserError) as e:
+        ingest(video, tmp_path / "out" / "images", CFG, progress=False)
+    assert "phone.mp4" in str(e.value) and "AV1" in str(e.value) and "decoded 0 frames" in str(e.value)
+    assert "libx264" in str(e.value)  # says how to fix it
+
+
 def test_helpers():
     assert window_bounds(10, 3) == [(0, 3), (3, 6), (6, 10)]
     assert window_bounds(2, 5) == [(0, 1), (1, 2)]
