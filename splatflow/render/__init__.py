@@ -1,0 +1,186 @@
+"""splatflow's rendering engine: one ``rasterize`` shaped like ``gsplat.rasterization``, three backends.
+
+* ``"cpu"``: our numba tile rasterizer (:mod:`splatflow.render.cpu`) with an analytic backward. The default
+  without a GPU.
+* ``"cuda"``: ``gsplat.rasterization`` (unpacked). Asking for it without a GPU raises :class:`CudaUnavailableError`.
+* ``"torch"``: a dense plain-PyTorch implementation of the same math (:mod:`splatflow.render.oracle`), slow, used as
+  the oracle in tests.
+* ``"auto"``: ``"cuda"`` when ``torch.cuda.is_available()``, else ``"cpu"``.
+
+See docs/backends.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from .projection import gaussian_colors, project_gaussians, tile_grid
+from .threads import configure_threads, warmup
+
+__all__ = ["rasterize", "resolve_backend", "configure_threads", "warmup", "CudaUnavailableError", "BACKENDS"]
+
+BACKENDS = ("auto", "cpu", "cuda", "torch")
+TILE_SIZE = 16
+
+
+class CudaUnavailableError(RuntimeError):
+    """``backend="cuda"`` was requested on a machine where ``torch.cuda.is_available()`` is False."""
+
+
+def resolve_backend(backend: str) -> str:
+    """Map ``"auto"`` to ``"cuda"`` or ``"cpu"`` and validate the name.
+
+    The choice is made with ``torch.cuda.is_available()`` only: machines here have ``nvcc`` but no GPU, so
+    whether gsplat's JIT compiles says nothing about whether it can run.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if backend == "cuda" and not torch.cuda.is_available():
+        raise CudaUnavailableError(
+            "backend='cuda' needs a CUDA GPU, but torch.cuda.is_available() is False on this machine "
+            f"(torch {torch.__version__}). Use backend='cpu' (splatflow's numba rasterizer) or 'auto', which "
+            "picks the CPU backend when no GPU is present."
+        )
+    return backend
+
+
+def rasterize(
+    means: Tensor,  # [N, 3]
+    quats: Tensor,  # [N, 4]
+    scales: Tensor,  # [N, 3]
+    opacities: Tensor,  # [N]
+    colors: Tensor,  # [N, K, 3] SH, or [N, D] / [C, N, D] plain
+    viewmats: Tensor,  # [C, 4, 4]
+    Ks: Tensor,  # [C, 3, 3]
+    width: int,
+    height: int,
+    *,
+    sh_degree: int | None = None,
+    near_plane: float = 0.01,
+    far_plane: float = 1e10,
+    backgrounds: Tensor | None = None,  # [C, D]
+    rasterize_mode: Literal["classic", "antialiased"] = "classic",
+    render_mode: Literal["RGB", "RGB+ED"] = "RGB",
+    backend: str = "auto",
+    absgrad: bool = False,
+    return_stats: bool = False,
+    eps2d: float = 0.3,
+    radius_clip: float = 0.0,
+) -> tuple[Tensor, Tensor, dict[str, Any]]:
+    """Render C views of N Gaussians; differentiable w.r.t. means, quats, scales, opacities and colors.
+
+    Inputs are activated (real scales, opacities in [0, 1], quaternions wxyz, not necessarily unit).
+    Returns ``(render_colors [C, H, W, 3|4], render_alphas [C, H, W, 1], info)``. With ``render_mode="RGB+ED"``
+    the 4th channel is the expected depth (accumulated depth / alpha). ``info`` carries what gsplat's strategies
+    read (``means2d`` [C, N, 2] whose ``.grad`` / ``.absgrad`` are filled by backward, ``radii`` [C, N, 2],
+    ``width``, ``height``, ``n_cameras``, ``gaussian_ids=None`` (unpacked), ...) and, with ``return_stats``,
+    ``hit_count`` [C, N] (pixels each Gaussian contributed to) and ``weight_sum`` [C, N] (sum of alpha * T).
+    """
+    name = resolve_backend(backend)
+    if rasterize_mode not in ("classic", "antialiased"):
+        raise ValueError(f"rasterize_mode must be 'classic' or 'antialiased', got {rasterize_mode!r}")
+    if render_mode not in ("RGB", "RGB+ED"):
+        raise ValueError(f"render_mode must be 'RGB' or 'RGB+ED', got {render_mode!r}")
+    N = means.shape[0]
+    C = viewmats.shape[0]
+    for nm, t, shape in (("means", means, (N, 3)), ("quats", quats, (N, 4)), ("scales", scales, (N, 3)),
+                         ("opacities", opacities, (N,)), ("viewmats", viewmats, (C, 4, 4)), ("Ks", Ks, (C, 3, 3))):
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{nm} must have shape {shape}, got {tuple(t.shape)}")
+    if name == "cuda":
+        return _rasterize_cuda(means, quats, scales, opacities, colors, viewmats, Ks, width, height,
+                               sh_degree=sh_degree, near_plane=near_plane, far_plane=far_plane,
+                               backgrounds=backgrounds, rasterize_mode=rasterize_mode, render_mode=render_mode,
+                               absgrad=absgrad, return_stats=return_stats, eps2d=eps2d, radius_clip=radius_clip)
+
+    proj = project_gaussians(means, quats, scales, opacities, viewmats, Ks, width, height,
+                             near_plane=near_plane, far_plane=far_plane, eps2d=eps2d,
+                             antialiased=rasterize_mode == "antialiased", radius_clip=radius_clip)
+    means2d = proj["means2d"]  # [C, N, 2]
+    rgb = gaussian_colors(colors, sh_degree, means, viewmats, proj["valid"])  # [C, N, D]
+    feats = rgb
+    bgs = backgrounds
+    if render_mode == "RGB+ED":
+        feats = torch.cat([rgb, proj["depths"][..., None]], dim=-1)  # [C, N, D+1]
+        if bgs is not None:
+            bgs = torch.cat([bgs, torch.zeros(C, 1, dtype=bgs.dtype)], dim=-1)  # depth background is 0
+    if bgs is not None and tuple(bgs.shape) != (C, feats.shape[-1]):
+        raise ValueError(f"backgrounds must be [C, {feats.shape[-1] - (render_mode == 'RGB+ED')}], got {tuple(backgrounds.shape)}")
+
+    if name == "cpu":
+        from .cpu import rasterize_cpu
+
+        img, alpha, hits, wsum = rasterize_cpu(
+            means2d, proj["conics"], feats, proj["opacities"], proj["radii"], proj["depths"], width, height,
+            backgrounds=bgs, absgrad=absgrad, return_stats=return_stats,
+        )
+    else:
+        from .oracle import rasterize_oracle
+
+        img, alpha, hits, wsum = rasterize_oracle(
+            means2d, proj["conics"], feats, proj["opacities"], proj["radii"], proj["depths"], width, height,
+            backgrounds=bgs, return_stats=return_stats,
+        )
+        if absgrad and means2d.requires_grad:
+            # The oracle goes through autograd, which has no per-pixel |grad| sum; the training path uses "cpu".
+            raise NotImplementedError("absgrad=True is supported by the 'cpu' and 'cuda' backends, not 'torch'")
+    if render_mode == "RGB+ED":
+        img = torch.cat([img[..., :-1], img[..., -1:] / alpha.clamp(min=1e-10)], dim=-1)
+
+    tw, th = tile_grid(width, height, TILE_SIZE)
+    info: dict[str, Any] = {
+        "backend": name,
+        "batch_ids": None,
+        "camera_ids": None,
+        "gaussian_ids": None,
+        "radii": proj["radii"],
+        "means2d": means2d,
+        "depths": proj["depths"],
+        "conics": proj["conics"],
+        "opacities": proj["opacities"],
+        "width": width,
+        "height": height,
+        "tile_size": TILE_SIZE,
+        "tile_width": tw,
+        "tile_height": th,
+        "n_batches": 1,
+        "n_cameras": C,
+    }
+    if return_stats:
+        info["hit_count"] = hits
+        info["weight_sum"] = wsum
+    return img, alpha, info
+
+
+def _rasterize_cuda(means, quats, scales, opacities, colors, viewmats, Ks, width, height, *, sh_degree, near_plane,
+                    far_plane, backgrounds, rasterize_mode, render_mode, absgrad, return_stats, eps2d, radius_clip):
+    """gsplat's rasterization, unpacked so ``info`` has the same [C, N, ...] layout as the CPU backend."""
+    from gsplat import rasterization
+
+    img, alpha, info = rasterization(
+        means, quats, scales, opacities, colors, viewmats, Ks, width, height,
+        near_plane=near_plane, far_plane=far_plane, radius_clip=radius_clip, eps2d=eps2d, sh_degree=sh_degree,
+        packed=False, backgrounds=backgrounds, render_mode=render_mode, absgrad=absgrad,
+        rasterize_mode=rasterize_mode,
+    )
+    info["backend"] = "cuda"
+    if return_stats:
+        # gsplat has no such statistics: run our CPU compositing (forward only) on gsplat's own projection.
+        from .cpu import rasterize_cpu
+
+        with torch.no_grad():
+            dev = means.device
+            _, _, hits, wsum = rasterize_cpu(
+                info["means2d"].detach().cpu(), info["conics"].detach().cpu(),
+                torch.zeros(viewmats.shape[0], means.shape[0], 1, dtype=means.dtype),
+                info["opacities"].detach().cpu(), info["radii"].cpu(), info["depths"].detach().cpu(),
+                width, height, return_stats=True,
+            )
+        info["hit_count"] = hits.to(dev)
+        info["weight_sum"] = wsum.to(dev)
+    return img, alpha, info

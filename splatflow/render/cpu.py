@@ -1,0 +1,116 @@
+"""The CPU backend: numba tile rasterization wrapped in a ``torch.autograd.Function``.
+
+Projection and SH colours stay in PyTorch (:mod:`.projection`, differentiated by autograd, a small share of the
+time); the per-pixel work, where nearly all the time goes, runs in the numba kernels of :mod:`._kernels`: tile
+binning with depth-sorted lists, front-to-back compositing with gsplat's rules, tiles in parallel, and an
+analytic backward over the same lists, back to front, race free (per-intersection slots reduced afterwards).
+This is the tile-based differentiable rasterizer of Kerbl et al. (SIGGRAPH 2023), written for CPU threads.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from . import _kernels as K
+from .projection import tile_grid
+
+
+def _np(t: Tensor, dtype: torch.dtype | None = None) -> np.ndarray:
+    t = t.detach()
+    if dtype is not None and t.dtype != dtype:
+        t = t.to(dtype)
+    return t.contiguous().numpy()
+
+
+class _RasterizeTiles(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, means2d, conics, colors, opacities, backgrounds, radii, depths, width, height, absgrad,
+                want_stats):
+        C, N, D = colors.shape
+        dt = colors.dtype
+        G = C * N
+        tiles_x, tiles_y = tile_grid(width, height, K.TILE)
+        m2 = _np(means2d.reshape(G, 2), dt)
+        con = _np(conics.reshape(G, 3), dt)
+        col = _np(colors.reshape(G, D), dt)
+        op = _np(opacities.reshape(G), dt)
+        rad = _np(radii.reshape(G, 2), torch.int32)
+        order = np.argsort(_np(depths.reshape(G)), kind="stable")
+        bg = _np(backgrounds, dt) if backgrounds is not None else np.zeros((C, D), col.dtype)
+        offsets, ids = K.bin_tiles(m2, rad, order, N, C, tiles_x, tiles_y)
+        out, T_final, last, isect_w, isect_hits = K.rasterize_fwd(
+            offsets, ids, m2, con, col, op, rad, bg, C, width, height, tiles_x, tiles_y, bool(want_stats)
+        )
+        img = torch.from_numpy(out)  # [C, H, W, D]
+        alpha = (1.0 - torch.from_numpy(T_final)).to(dt)[..., None]  # [C, H, W, 1]
+        if want_stats:
+            w, h = K.reduce_stats(ids, isect_w, isect_hits, G)
+            wsum = torch.from_numpy(w).to(dt).reshape(C, N)
+            hits = torch.from_numpy(h).reshape(C, N)
+        else:
+            wsum = torch.zeros(C, N, dtype=dt)
+            hits = torch.zeros(C, N, dtype=torch.int32)
+        ctx.mark_non_differentiable(hits, wsum)
+        ctx.save_for_backward(means2d, backgrounds if backgrounds is not None else torch.empty(0))
+        ctx.arrays = (offsets, ids, m2, con, col, op, rad, bg, T_final, last)
+        ctx.shape = (C, N, D, width, height, tiles_x, tiles_y)
+        ctx.absgrad = absgrad
+        ctx.has_bg = backgrounds is not None
+        return img, alpha, hits, wsum
+
+    @staticmethod
+    def backward(ctx, v_img, v_alpha, _v_hits, _v_wsum):
+        means2d, backgrounds = ctx.saved_tensors
+        offsets, ids, m2, con, col, op, rad, bg, T_final, last = ctx.arrays
+        C, N, D, width, height, tiles_x, tiles_y = ctx.shape
+        dt = torch.from_numpy(col[:0]).dtype
+        if v_img is None:
+            v_img = torch.zeros(C, height, width, D, dtype=dt)
+        if v_alpha is None:
+            v_alpha = torch.zeros(C, height, width, 1, dtype=dt)
+        grads = K.rasterize_bwd(
+            offsets, ids, m2, con, col, op, rad, bg, T_final, last,
+            _np(v_img, dt), _np(v_alpha[..., 0], dt), C, width, height, tiles_x, tiles_y,
+        )
+        g = torch.from_numpy(grads).to(dt).reshape(C, N, 8 + D)  # [C, N, 8 + D]
+        v_means2d = g[..., 0:2].contiguous()
+        v_conics = g[..., 2:5].contiguous()
+        v_opac = g[..., 5].contiguous()
+        v_colors = g[..., 8:].contiguous()
+        if ctx.absgrad:
+            # gsplat's convention: DefaultStrategy(absgrad=True) reads info["means2d"].absgrad
+            means2d.absgrad = g[..., 6:8].contiguous()
+        v_bg = None
+        if ctx.has_bg and ctx.needs_input_grad[4]:
+            Tf = torch.from_numpy(T_final).to(dt)[..., None]  # [C, H, W, 1]
+            v_bg = (Tf * v_img).sum(dim=(1, 2))  # [C, D]
+        return v_means2d, v_conics, v_colors, v_opac, v_bg, None, None, None, None, None, None
+
+
+def rasterize_cpu(
+    means2d: Tensor,  # [C, N, 2]
+    conics: Tensor,  # [C, N, 3]
+    colors: Tensor,  # [C, N, D]
+    opacities: Tensor,  # [C, N]
+    radii: Tensor,  # [C, N, 2] int
+    depths: Tensor,  # [C, N]
+    width: int,
+    height: int,
+    backgrounds: Tensor | None = None,  # [C, D]
+    absgrad: bool = False,
+    return_stats: bool = False,
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    """Composite projected Gaussians on CPU. Returns colours [C, H, W, D], alphas [C, H, W, 1], and with
+    ``return_stats`` ``hit_count`` [C, N] int32 and ``weight_sum`` [C, N] (else None, None)."""
+    for name, t in (("means2d", means2d), ("conics", conics), ("colors", colors), ("opacities", opacities)):
+        if t.device.type != "cpu":
+            raise ValueError(f"the cpu backend needs CPU tensors; {name} is on {t.device}")
+    img, alpha, hits, wsum = _RasterizeTiles.apply(
+        means2d, conics, colors, opacities, backgrounds, radii, depths, int(width), int(height), bool(absgrad),
+        bool(return_stats),
+    )
+    if not return_stats:
+        return img, alpha, None, None
+    return img, alpha, hits, wsum

@@ -1,0 +1,73 @@
+"""Thread hygiene for numba + torch in one process (DESIGN.md §3).
+
+numba's parallel loops and torch's intra-op pool each run on an OpenMP runtime. With the default *active* wait
+policy an idle OpenMP thread spins for a while after each parallel region, so when the two runtimes take turns
+(numba rasterizes, torch does the optimizer step) each one's spinning threads steal the cores the other needs.
+The fix measured here: ``OMP_WAIT_POLICY=PASSIVE`` set before the first runtime starts (``splatflow/__init__.py``
+sets it as a default, since the policy is read once), then start numba's thread pool, then (re-)set torch's thread
+count, because starting the second runtime can reset the first one's notion of how many threads to use.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+_configured: int | None = None
+
+
+def configure_threads(n: int | None = None) -> int:
+    """Use ``n`` threads (default: all cores) in numba and torch without the two OpenMP pools fighting.
+
+    Returns the thread count in effect. Safe to call more than once.
+    """
+    global _configured
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    import numba
+    import torch
+
+    if n is None or n <= 0:
+        n = os.cpu_count() or 1
+    n_numba = max(1, min(int(n), numba.config.NUMBA_NUM_THREADS))
+    numba.set_num_threads(n_numba)
+    _start_numba_pool()
+    torch.set_num_threads(int(n))
+    _configured = int(n)
+    return _configured
+
+
+def _start_numba_pool() -> None:
+    """Run a trivial parallel kernel so numba's threading layer is loaded now, not mid-training."""
+    import numpy as np
+
+    from ._kernels import touch_pool
+
+    touch_pool(np.zeros(64, dtype=np.float32))
+
+
+def warmup() -> float:
+    """Load (or, first time, compile) every CPU-backend kernel on a tiny scene; return the seconds it took.
+
+    The first call after a code change compiles the numba kernels (tens of seconds); later processes load them
+    from numba's on-disk cache (``cache=True``) in well under a second. ``bench/rasterize.py`` reports both.
+    """
+    import torch
+
+    from . import rasterize
+
+    t0 = time.perf_counter()
+    for dtype in (torch.float32,):
+        g = torch.Generator().manual_seed(0)
+        N = 8
+        means = (torch.randn(N, 3, generator=g, dtype=dtype) * 0.3).requires_grad_()
+        quats = torch.randn(N, 4, generator=g, dtype=dtype).requires_grad_()
+        scales = torch.full((N, 3), 0.1, dtype=dtype).requires_grad_()
+        opac = torch.full((N,), 0.5, dtype=dtype).requires_grad_()
+        sh = torch.randn(N, 16, 3, generator=g, dtype=dtype).mul(0.1).requires_grad_()
+        view = torch.eye(4, dtype=dtype)[None].clone()
+        view[0, 2, 3] = 3.0
+        K = torch.tensor([[[40.0, 0, 16], [0, 40.0, 16], [0, 0, 1]]], dtype=dtype)
+        img, alpha, info = rasterize(means, quats, scales, opac, sh, view, K, 32, 32, sh_degree=3,
+                                     backend="cpu", render_mode="RGB+ED", return_stats=True, absgrad=True)
+        (img.sum() + alpha.sum()).backward()
+    return time.perf_counter() - t0
