@@ -249,3 +249,38 @@ def test_prune_with_recovery_writes_a_loadable_checkpoint(scene_files, tmp_path)
     nearest = torch.cdist(splats["means"], scene_files.splats["means"]).argmin(dim=1)  # [25] original index
     assert float((splats["sh0"] - scene_files.splats["sh0"][nearest]).abs().max()) > 1e-4  # recovery ran
     assert m["val_psnr_after"] > m["val_psnr_before"] - 3.0
+
+
+def test_stage_main_writes_checkpoint_and_metrics(scene_files, tmp_path):
+    """`python -m stages.prune S` through stage_main: params.yaml, scene on disk, outputs at the contract paths."""
+    import json
+    import shutil
+
+    import yaml
+
+    from splatflow.paths import ScenePaths
+    from splatflow.scene.synthetic import write_colmap_text_model
+    from stages import prune as stage
+
+    root = tmp_path / "proj"
+    paths = ScenePaths("t", root)
+    views = scene_files.scene.views
+    (paths.undistorted_dir / "images").mkdir(parents=True)
+    for v in views:
+        shutil.copy(v.image_path, paths.undistorted_dir / "images" / v.name)
+    write_colmap_text_model(paths.undistorted_dir / "sparse", K, W, H, [v.name for v in views],
+                            [v.world_to_cam for v in views], np.zeros((0, 3)), np.zeros((0, 3), np.uint8),
+                            [[] for _ in views])
+    paths.split_json.write_text(json.dumps({"train": [v.name for v in views[:3]], "test": [views[3].name],
+                                            "rule": "test"}))
+    shutil.copytree(scene_files.ckpt.parent, paths.train_ckpt.parent)
+    params = {"base": {"scenes": {"t": {"source": "unused"}}, "threads": 1},
+              "train": {"backend": BACKEND, "image_cache_mb": 16, "progress": False},
+              "prune": {"keep_first": 0.3, "phases": 1, "finetune_steps": 2, "val_views": 2, "val_factor": 1.0,
+                        "max_psnr_drop_db": 5.0, "backend": BACKEND, "progress": False}}
+    (root / "params.yaml").write_text(yaml.safe_dump(params))
+    stage.main(["t", "--params", str(root / "params.yaml")])
+    m = json.loads(paths.metrics_json("prune").read_text())
+    assert m["gaussians_before"] == 100 and m["gaussians_after"] == 30 and len(m["phases"]) == 1
+    assert m["val_views"] == 2 and m["val_psnr_after"] > 25
+    assert load_splats(paths.prune_ckpt)[0]["means"].shape == (30, 3)
