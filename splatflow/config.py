@@ -65,7 +65,8 @@ class IngestConfig:
     blur_rel_threshold: float = 0.35  # reject if sharpness < threshold * median sharpness of neighbours
     blur_window: int = 7  # neighbours (by name order) the sharpness is compared with
     blur_measure_width: int = 640  # sharpness is measured after resizing to this width (it depends on resolution)
-    dedupe_max_distance: int = 4  # perceptual-hash Hamming distance (of 64 bits) at or below which images are duplicates
+    dedupe_max_distance: int = 10  # perceptual-hash Hamming distance (of 64 bits) at or below which images are compared
+    dedupe_min_correlation: float = 0.995  # ...and then duplicates if their 128-px grey thumbnails correlate this well
     video_frames: int = 60  # frames to extract from a video source
     image_format: Literal["jpg", "png"] = "jpg"
     jpeg_quality: int = 95
@@ -79,6 +80,8 @@ class IngestConfig:
               self.blur_measure_width)
         check(0 <= self.dedupe_max_distance <= 32, "ingest.dedupe_max_distance", "an integer in [0, 32]",
               self.dedupe_max_distance)
+        check(0.0 < self.dedupe_min_correlation <= 1.0, "ingest.dedupe_min_correlation", "a number in (0, 1]",
+              self.dedupe_min_correlation)
         check(self.video_frames >= 3, "ingest.video_frames", "an integer >= 3", self.video_frames)
         check(50 <= self.jpeg_quality <= 100, "ingest.jpeg_quality", "an integer in [50, 100]", self.jpeg_quality)
 
