@@ -1,0 +1,167 @@
+"""Prefect flow ``reconstruct``: one scene through the whole DVC pipeline, one Prefect task per DVC stage.
+
+Only wiring (DESIGN.md §2): DVC owns the graph and decides what is stale; this flow asks DVC for the stage order,
+runs each stage with ``dvc repro --single-item <stage>@<scene>`` in its own process group
+(:mod:`splatflow.orchestrate.dvcrun`), and owns the scene's MLflow run, which the stages attach to through
+``MLFLOW_RUN_ID``.  Tasks are not cached: DVC already skips unchanged stages in about a second, and a Prefect cache
+would skip a stage whose outputs were deleted.
+
+Retries: only :class:`~splatflow.orchestrate.dvcrun.WorkspaceBusy` (another dvc holds the workspace lock) is
+retried; a stage that fails on its inputs or code fails the same way again, so it is not.
+
+Run it: ``python flows/reconstruct.py demo`` or ``splatflow flow demo``; as a deployment see docs/orchestration.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+from prefect import flow, get_run_logger, task
+from prefect.context import get_run_context
+
+from splatflow import tracking
+from splatflow.orchestrate import dvcrun
+from splatflow.orchestrate.workspace import workspace_lock, worktree
+
+
+def _retry_only_when_busy(task_obj, task_run, state) -> bool:  # noqa: ARG001 - Prefect's hook signature
+    try:
+        state.result()
+    except dvcrun.WorkspaceBusy:
+        return True
+    except BaseException:  # noqa: BLE001
+        return False
+    return False
+
+
+@task(retries=3, retry_delay_seconds=[5, 15, 30], retry_condition_fn=_retry_only_when_busy, cache_policy=None,
+      persist_result=False)
+def run_stage(root: str, stage: str, run_id: Optional[str], tracking_uri: str, force: bool = False,
+              timeout_s: Optional[float] = None) -> dict:
+    """One DVC stage (``train@demo``) as a Prefect task; its output streams into the task's log."""
+    logger = get_run_logger()
+    env = dvcrun.stage_env({"MLFLOW_RUN_ID": run_id, "MLFLOW_TRACKING_URI": tracking_uri})
+    if run_id is None:
+        env["SPLATFLOW_TRACKING"] = "off"
+    res = dvcrun.run_dvc_stage(root, stage, force=force, timeout_s=timeout_s, env=env, on_line=logger.info)
+    logger.info("%s %s in %.1f s", stage, "up to date (skipped)" if res.skipped else "ran", res.seconds)
+    return {"stage": stage, "seconds": round(res.seconds, 3), "skipped": res.skipped}
+
+
+def _params_for_logging(path: Path):
+    """The strict Params (what stages log too, so values agree); the raw YAML if it does not load -- the
+    failing stage will then say why."""
+    import yaml
+
+    from splatflow.config import ConfigError, load_params
+
+    try:
+        return load_params(path)
+    except ConfigError:
+        return yaml.safe_load(path.read_text()) or {}
+
+
+def _flow_run_tags() -> dict[str, str]:
+    with contextlib.suppress(Exception):
+        ctx = get_run_context()
+        fr = ctx.flow_run
+        return {"prefect.flow_run_id": str(fr.id), "prefect.flow_run_name": fr.name or "",
+                "prefect.deployment_id": str(fr.deployment_id or "")}
+    return {}
+
+
+def reproduce(root: Path, scene: str, *, main_root: Path, force: bool, stage_timeout_s: Optional[float],
+              parent_run_id: Optional[str], run_name: Optional[str], tags: dict[str, str]) -> dict[str, Any]:
+    """The body shared by the flow's two workspace modes: MLflow run, stages as tasks, final logging."""
+    logger = get_run_logger()
+    stages = dvcrun.stage_order(root, scene)
+    if not stages:
+        raise ValueError(f"dvc.yaml in {root} has no stages for scene {scene!r}: add it to base.scenes in params.yaml")
+    logger.info("scene %s: %d stages from DVC's graph: %s", scene, len(stages), " -> ".join(stages))
+
+    run_id, cl = None, None
+    uri = tracking.tracking_uri(main_root)
+    if tracking.enabled():
+        cl = tracking.client(uri)
+        params = _params_for_logging(root / "params.yaml")
+        run_id = tracking.create_scene_run(cl, scene, root, None, uri=uri, parent_run_id=parent_run_id,
+                                           run_name=run_name, tags={"splatflow.started_by": "prefect", **tags})
+        tracking._log_batch(cl, run_id, params=tracking.flatten_params(params))
+        logger.info("MLflow run %s at %s", run_id, uri)
+    results = []
+    status = "FAILED"
+    try:
+        for stage in stages:
+            name = stage.partition("@")[0]
+            results.append(run_stage.with_options(name=name, task_run_name=stage)(
+                str(root), stage, run_id, uri, force, stage_timeout_s))
+        status = "FINISHED"
+    except BaseException as e:
+        status = "KILLED" if isinstance(e, (KeyboardInterrupt, SystemExit, dvcrun.StageCancelled)) or \
+            type(e).__name__ in {"TerminationSignal", "CancelledError"} else "FAILED"
+        raise
+    finally:
+        if cl is not None and run_id is not None:
+            _finish_run(cl, run_id, root, scene, stages, status)
+    metrics = cl.get_run(run_id).data.metrics if cl is not None else {}
+    return {"scene": scene, "run_id": run_id, "stages": results, "metrics": metrics, "workspace": str(root)}
+
+
+def _finish_run(cl, run_id: str, root: Path, scene: str, stages: list[str], status: str) -> None:
+    """Final metrics of every stage, artifacts of stages DVC skipped, dvc.lock and its hashes, then the status."""
+    import json
+
+    from splatflow.paths import ScenePaths
+
+    with contextlib.suppress(Exception):
+        tags = cl.get_run(run_id).data.tags
+        metrics = {}
+        mdir = ScenePaths(scene, root).metrics_dir
+        for f in sorted(mdir.glob("*.json")) if mdir.exists() else []:
+            with contextlib.suppress(Exception):
+                metrics.update(tracking.numeric_metrics(json.loads(f.read_text()), f.stem))
+        tracking._log_batch(cl, run_id, metrics=metrics, tags=tracking.dvc_lock_tags(root, scene))
+        for stage in stages:
+            base = stage.partition("@")[0]
+            if tags.get(f"splatflow.stage.{base}") != "done" and status == "FINISHED":
+                tracking.log_files(cl, run_id, root, tracking.artifact_files(root, base, scene))
+        if (root / "dvc.lock").exists():
+            tracking.log_files(cl, run_id, root, [root / "dvc.lock"])
+    with contextlib.suppress(Exception):
+        cl.set_terminated(run_id, status)
+
+
+@flow(name="reconstruct", log_prints=True)
+def reconstruct(scene: str = "demo", repo: Optional[str] = None,
+                workspace: Literal["inplace", "worktree"] = "inplace", commit: str = "HEAD",
+                overrides: Optional[dict[str, Any]] = None, force: bool = False,
+                stage_timeout_s: Optional[float] = None, parent_run_id: Optional[str] = None,
+                run_name: Optional[str] = None, tags: Optional[dict[str, str]] = None) -> dict[str, Any]:
+    """Reconstruct one scene: every DVC stage of ``scene`` as a task, logged to one MLflow run.
+
+    ``workspace="inplace"`` reproduces in the checkout ``repo`` (updating its dvc.lock and outputs, like
+    ``dvc repro``), holding a workspace lock so two flows never reproduce there at once.  ``"worktree"`` runs in
+    a throw-away git worktree of ``commit`` with ``overrides`` applied to its params.yaml and the DVC cache shared
+    (what batches, sweeps and reruns use); results live in MLflow and the DVC cache.
+    """
+    main_root = tracking.repo_root(repo or os.environ.get("SPLATFLOW_REPO") or Path.cwd())
+    tags = {**_flow_run_tags(), **(tags or {}), "splatflow.workspace": workspace}
+    if overrides:
+        tags["splatflow.overrides"] = ",".join(f"{k}={v}" for k, v in sorted(overrides.items()))
+    common = dict(main_root=main_root, force=force, stage_timeout_s=stage_timeout_s, parent_run_id=parent_run_id,
+                  run_name=run_name, tags=tags)
+    if workspace == "worktree":
+        with worktree(main_root, commit, overrides=overrides) as wt:
+            return reproduce(wt, scene, **common)
+    if overrides:
+        raise ValueError("param overrides need workspace='worktree' (they are never written to your params.yaml)")
+    with workspace_lock(main_root):
+        return reproduce(main_root, scene, **common)
+
+
+if __name__ == "__main__":
+    reconstruct(scene=sys.argv[1] if len(sys.argv) > 1 else "demo")

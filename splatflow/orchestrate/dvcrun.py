@@ -1,0 +1,192 @@
+"""Run DVC stages from orchestration code: the stage order from DVC's own graph, one stage per process group.
+
+DVC owns the DAG (DESIGN.md §2): the flows never list stages themselves, they ask DVC.  Each stage runs as
+``dvc repro --single-item <stage>@<scene>`` in a new session (its own process group), so that a cancel or a
+timeout can stop the whole stage -- ``dvc``, the shell it spawns and the python stage below it -- and not just
+the direct child.  DVC itself leaves the workspace consistent after such a kill: the stage's dvc.lock entry is
+only written after the stage succeeds, so the stage simply reruns next time.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+VENV_BIN = Path(sys.executable).parent
+#: DVC's message when another dvc process holds the workspace lock: the one failure a retry can fix.
+LOCK_BUSY = re.compile(r"Unable to acquire lock|is busy|LockError", re.IGNORECASE)
+KILL_GRACE_S = 10.0
+
+
+class StageFailed(RuntimeError):
+    """A DVC stage exited non-zero: deterministic (bad input, bug) -- retrying would fail the same way."""
+
+    def __init__(self, stage: str, returncode: int, tail: str):
+        self.stage, self.returncode, self.tail = stage, returncode, tail
+        hint = " (bad input or setting: see the message above)" if returncode == 2 else ""
+        super().__init__(f"stage {stage} failed with exit code {returncode}{hint}:\n{tail}")
+
+
+class WorkspaceBusy(StageFailed):
+    """Another ``dvc`` process holds this workspace's lock: transient, worth a retry after a pause."""
+
+
+class StageTimeout(StageFailed):
+    """The stage ran longer than its timeout and was killed (with its whole process group)."""
+
+
+class StageCancelled(StageFailed):
+    """The stage was stopped because its caller was cancelled or terminated."""
+
+
+def dvc_executable() -> str:
+    """The project venv's ``dvc`` (``cmd: python`` in dvc.yaml then resolves to the venv's python too)."""
+    exe = VENV_BIN / "dvc"
+    return str(exe) if exe.exists() else "dvc"
+
+
+def stage_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for DVC subprocesses: venv bin first on PATH (DESIGN.md §3), quiet telemetry, unbuffered."""
+    env = os.environ.copy()
+    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    env.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    env.setdefault("DVC_NO_ANALYTICS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    for k, v in (extra or {}).items():
+        if v is None:
+            env.pop(k, None)
+        else:
+            env[k] = str(v)
+    return env
+
+
+def stage_order(root: str | Path, scene: str | None = None) -> list[str]:
+    """Stage addresses (``ingest@demo``, ...) in an order that respects DVC's graph.
+
+    Ties are broken by the order of dvc.yaml, so the list reads like the pipeline.  With ``scene`` only that
+    scene's stages (``<name>@<scene>``) are kept.
+    """
+    import networkx as nx
+    from dvc.repo import Repo
+
+    with Repo(str(root)) as repo:
+        stages = list(repo.index.stages)
+        graph = repo.index.graph  # edges: dependent -> dependency
+        pos = {s: i for i, s in enumerate(stages)}
+        order = list(nx.lexicographical_topological_sort(graph.reverse(copy=True), key=lambda s: pos.get(s, 1 << 30)))
+        names = [s.name for s in order]  # not .addressing: that is relative to the cwd
+    if scene is not None:
+        names = [n for n in names if n.partition("@")[2] == scene]
+    return names
+
+
+def scenes_in_graph(root: str | Path) -> list[str]:
+    """Scene names that have stages in dvc.yaml (the ``foreach`` keys)."""
+    seen: list[str] = []
+    for n in stage_order(root):
+        item = n.partition("@")[2]
+        if item and item not in seen:
+            seen.append(item)
+    return seen
+
+
+@dataclass
+class StageResult:
+    stage: str
+    returncode: int
+    seconds: float
+    skipped: bool  # DVC found the stage up to date and did not run it
+    tail: str = ""
+    lines: list[str] = field(default_factory=list)
+
+
+def kill_group(proc: subprocess.Popen, grace_s: float = KILL_GRACE_S) -> None:
+    """SIGTERM the process group (stages mark their MLflow run KILLED), then SIGKILL what is left."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    try:  # the group may outlive its leader (the stage python under dvc's shell)
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def run_dvc_stage(root: str | Path, stage: str, *, force: bool = False, timeout_s: float | None = None,
+                  env: dict[str, str] | None = None, on_line: Callable[[str], None] | None = None,
+                  cancel_event: threading.Event | None = None) -> StageResult:
+    """``dvc repro --single-item <stage>`` in its own process group; raise a :class:`StageFailed` subclass on
+    failure (:class:`WorkspaceBusy` when another dvc holds the lock, :class:`StageTimeout` on timeout).
+
+    Any exception raised while waiting (Prefect's termination signal, KeyboardInterrupt) kills the whole group
+    before it propagates, so no stage outlives its task.
+    """
+    cmd = [dvc_executable(), "repro", "--single-item", stage]
+    if force:
+        cmd.append("--force")
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=str(root), env=env or stage_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True)
+    tail: collections.deque[str] = collections.deque(maxlen=60)
+    lines: list[str] = []
+
+    def pump():
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            line = line.rstrip("\n")
+            tail.append(line)
+            lines.append(line)
+            if on_line is not None:
+                try:
+                    on_line(line)
+                except Exception:  # noqa: BLE001 - a logging hiccup must not hang the pump
+                    pass
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    timed_out = cancelled = False
+    try:
+        while proc.poll() is None:
+            if timeout_s is not None and time.monotonic() - t0 > timeout_s:
+                timed_out = True
+                kill_group(proc)
+                break
+            if cancel_event is not None and cancel_event.is_set():
+                cancelled = True
+                kill_group(proc)
+                break
+            time.sleep(0.2)
+    except BaseException:
+        kill_group(proc)
+        raise
+    reader.join(timeout=5)
+    rc = proc.wait()
+    seconds = time.monotonic() - t0
+    text = "\n".join(tail)
+    if timed_out:
+        raise StageTimeout(stage, rc, f"killed after {timeout_s:.0f} s timeout\n{text}")
+    if cancelled:
+        raise StageCancelled(stage, rc, f"cancelled\n{text}")
+    if rc != 0:
+        if LOCK_BUSY.search(text):
+            raise WorkspaceBusy(stage, rc, text)
+        raise StageFailed(stage, rc, text)
+    skipped = any("didn't change, skipping" in ln or "is cached - skipping" in ln for ln in lines)
+    return StageResult(stage, rc, seconds, skipped, text, lines)

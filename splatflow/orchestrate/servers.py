@@ -1,0 +1,161 @@
+"""Start and stop the Prefect and MLflow servers (``splatflow ui``, the real-server tests).
+
+Both bind to 127.0.0.1 by default and are started with the low-memory settings measured in DESIGN.md §3:
+
+* Prefect (default port 4200): ``prefect server start --host 127.0.0.1`` with ``PREFECT_SERVER_ANALYTICS_ENABLED=false``;
+  its database lives in ``PREFECT_HOME`` (``<repo>/.splatflow/prefect`` unless set).  Healthy in ~10 s.
+* MLflow (default port 5000): ``mlflow server`` on the same ``sqlite:///<repo>/mlflow.db`` the stages write to,
+  artifacts served from ``<repo>/mlartifacts``, one worker, ``MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false``
+  (2.4 GB -> 0.5 GB) and ``MLFLOW_DISABLE_TELEMETRY=true``.
+
+Every server runs in its own process group so that stopping it stops its worker processes too.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from splatflow.orchestrate.dvcrun import VENV_BIN, kill_group
+
+PREFECT_PORT = 4200
+MLFLOW_PORT = 5000
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket() as s:
+        return s.connect_ex((host, port)) == 0
+
+
+def low_memory_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = os.environ.copy()
+    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
+    env.update({
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_UI_ENABLED": "true",
+        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+        "DO_NOT_TRACK": "1",
+    })
+    env.update(extra or {})
+    return env
+
+
+@dataclass
+class Server:
+    """One started server process (group) with the URL it answers on and the log it writes."""
+
+    name: str
+    url: str
+    proc: subprocess.Popen
+    log: Path
+    health: str = ""
+    env: dict = field(default_factory=dict, repr=False)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def wait_healthy(self, timeout_s: float = 120.0) -> "Server":
+        """Poll the health URL; a process that exits early fails at once with the tail of its log."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout_s:
+            if not self.alive():
+                raise RuntimeError(f"{self.name} server exited with {self.proc.returncode}; log {self.log}:\n"
+                                   f"{self.tail()}")
+            try:
+                with urllib.request.urlopen(self.health, timeout=3) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"{self.name} server not healthy at {self.health} after {timeout_s:.0f} s; log {self.log}:"
+                           f"\n{self.tail()}")
+
+    def tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        kill_group(self.proc, grace_s)
+
+
+def _spawn(name: str, cmd: list[str], log: Path, env: dict, cwd: Path | None = None) -> subprocess.Popen:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    fh = open(log, "ab")
+    try:
+        return subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                cwd=str(cwd) if cwd else None, start_new_session=True)
+    finally:
+        fh.close()
+
+
+def start_prefect(port: int = PREFECT_PORT, *, host: str = "127.0.0.1", home: Path | None = None,
+                  log_dir: Path | None = None, db_url: str | None = None) -> Server:
+    """``prefect server start`` on ``host:port``; returns at once (call ``wait_healthy``)."""
+    if port_in_use(port, host):
+        raise RuntimeError(f"port {port} on {host} is in use: stop what runs there or pass another --prefect-port")
+    home = Path(home or Path.cwd() / ".splatflow" / "prefect")
+    home.mkdir(parents=True, exist_ok=True)
+    extra = {"PREFECT_HOME": str(home), "PREFECT_SERVER_API_HOST": host, "PREFECT_SERVER_API_PORT": str(port),
+             "PREFECT_API_URL": f"http://{host}:{port}/api"}
+    if db_url:
+        extra["PREFECT_API_DATABASE_CONNECTION_URL"] = db_url
+    env = low_memory_env(extra)
+    cmd = [str(VENV_BIN / "prefect"), "server", "start", "--host", host, "--port", str(port)]
+    log = (log_dir or home) / "prefect-server.log"
+    proc = _spawn("prefect", cmd, log, env)
+    return Server("prefect", f"http://{host}:{port}", proc, log, health=f"http://{host}:{port}/api/health", env=env)
+
+
+def start_mlflow(port: int = MLFLOW_PORT, *, host: str = "127.0.0.1", root: Path | None = None,
+                 backend_uri: str | None = None, artifacts_dir: Path | None = None,
+                 log_dir: Path | None = None) -> Server:
+    """``mlflow server`` on ``host:port`` over the project's sqlite store; returns at once (call ``wait_healthy``)."""
+    if port_in_use(port, host):
+        raise RuntimeError(f"port {port} on {host} is in use: stop what runs there or pass another --mlflow-port")
+    root = Path(root or Path.cwd()).resolve()
+    backend_uri = backend_uri or f"sqlite:///{root / 'mlflow.db'}"
+    artifacts_dir = Path(artifacts_dir or root / "mlartifacts")
+    artifacts_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [str(VENV_BIN / "mlflow"), "server", "--host", host, "--port", str(port),
+           "--backend-store-uri", backend_uri, "--artifacts-destination", str(artifacts_dir),
+           "--workers", "1"]
+    env = low_memory_env()
+    env.pop("MLFLOW_TRACKING_URI", None)
+    log = (log_dir or root / ".splatflow") / "mlflow-server.log"
+    proc = _spawn("mlflow", cmd, log, env, cwd=root)
+    return Server("mlflow", f"http://{host}:{port}", proc, log, health=f"http://{host}:{port}/health", env=env)
+
+
+def start_worker(pool: str, *, api_url: str, name: str | None = None, limit: int | None = 1,
+                 log_dir: Path, cwd: Path | None = None, extra_env: dict[str, str] | None = None) -> Server:
+    """``prefect worker start --pool <pool> --type process``: one per machine (or per GPU), ``--limit`` runs each."""
+    env = low_memory_env({"PREFECT_API_URL": api_url, **(extra_env or {})})
+    name = name or f"{socket.gethostname()}-{os.getpid()}-{time.monotonic_ns() % 100000}"
+    cmd = [str(VENV_BIN / "prefect"), "worker", "start", "--pool", pool, "--type", "process", "--name", name]
+    if limit:
+        cmd += ["--limit", str(limit)]
+    log = log_dir / f"worker-{name}.log"
+    proc = _spawn("worker", cmd, log, env, cwd=cwd)
+    return Server(f"worker {name}", api_url, proc, log, env=env)
+
+
+def python_exe() -> str:
+    return sys.executable

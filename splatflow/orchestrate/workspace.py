@@ -1,0 +1,148 @@
+"""Where a pipeline run executes: in the checkout itself, or in a throw-away git worktree.
+
+Two ``dvc repro`` in one workspace at once corrupt each other's outputs (DVC's lock makes the second one fail),
+so anything that runs concurrently -- the scenes of a batch on several workers, the configs of a sweep, a rerun of
+an old commit -- gets its own **git worktree** (``git worktree add --detach``) under
+``<repo>/.dvc/tmp/splatflow/wt/`` with:
+
+* the DVC cache of the main checkout (``.dvc/config.local`` ``cache.dir``), so stages whose inputs are unchanged
+  are checked out from the cache instead of recomputed, and results computed there land in the shared cache;
+* the raw scene sources (``base.scenes.*.source`` / ``ground_truth``), which are untracked captures, linked from
+  the main checkout when the worktree lacks them;
+* param overrides applied to the worktree's ``params.yaml`` (``{"train.max_steps": 100}``), never to the user's.
+
+Runs in the checkout itself (``inplace``) hold ``.splatflow/workspace.lock`` so two flows never reproduce in one
+workspace at the same time: the second waits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import shutil
+import subprocess
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
+
+import yaml
+
+
+class WorkspaceError(RuntimeError):
+    pass
+
+
+def _git(root: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    p = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+    if check and p.returncode != 0:
+        raise WorkspaceError(f"git {' '.join(args)} failed in {root}: {p.stderr.strip() or p.stdout.strip()}")
+    return p
+
+
+def resolve_commit(root: Path, rev: str) -> str:
+    p = _git(root, "rev-parse", "--verify", f"{rev}^{{commit}}", check=False)
+    if p.returncode != 0:
+        raise WorkspaceError(f"{rev!r} is not a commit of the git repo at {root}; list them with `git log --oneline`")
+    return p.stdout.strip()
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``"train.max_steps=100"`` -> ``("train.max_steps", 100)`` (the value is read as YAML, like ``dvc exp -S``)."""
+    if "=" not in text:
+        raise ValueError(f"override {text!r} must look like section.key=value (e.g. train.max_steps=100)")
+    key, _, value = text.partition("=")
+    return key.strip(), yaml.safe_load(value)
+
+
+def apply_overrides(params_path: Path, overrides: dict[str, Any]) -> None:
+    """Set dotted keys in a params.yaml; unknown sections are an error (the strict loader would refuse them)."""
+    data = yaml.safe_load(params_path.read_text()) or {}
+    for dotted, value in overrides.items():
+        parts = dotted.split(".")
+        if parts[0] not in data:
+            raise WorkspaceError(f"override {dotted}: {params_path} has no section {parts[0]!r}")
+        node = data
+        for p in parts[:-1]:
+            if node.get(p) is None:
+                node[p] = {}
+            node = node[p]
+            if not isinstance(node, dict):
+                raise WorkspaceError(f"override {dotted}: {p!r} is not a mapping in {params_path}")
+        node[parts[-1]] = value
+    params_path.write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+def _link_sources(main: Path, wt: Path) -> list[str]:
+    """Link untracked raw captures named in the worktree's params.yaml from the main checkout."""
+    linked = []
+    try:
+        data = yaml.safe_load((wt / "params.yaml").read_text()) or {}
+    except OSError:
+        return linked
+    for spec in ((data.get("base") or {}).get("scenes") or {}).values():
+        for key in ("source", "ground_truth"):
+            rel = (spec or {}).get(key)
+            if not rel or os.path.isabs(rel):
+                continue
+            dst, src = wt / rel, main / rel
+            if not dst.exists() and src.exists():
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                dst.symlink_to(src.resolve(), target_is_directory=src.is_dir())
+                linked.append(rel)
+    return linked
+
+
+@contextlib.contextmanager
+def worktree(main: str | Path, rev: str = "HEAD", *, name: str | None = None, overrides: dict | None = None,
+             keep: bool = False) -> Iterator[Path]:
+    """A detached git worktree of ``main`` at ``rev``, set up to run the pipeline (see module docstring)."""
+    main = Path(main).resolve()
+    commit = resolve_commit(main, rev)
+    base = main / ".dvc" / "tmp" / "splatflow" / "wt"
+    base.mkdir(parents=True, exist_ok=True)
+    path = base / (name or f"{commit[:8]}-{uuid.uuid4().hex[:8]}")
+    for attempt in range(5):  # concurrent `git worktree add` can collide on git's own lock files
+        p = _git(main, "worktree", "add", "--detach", "--force", str(path), commit, check=False)
+        if p.returncode == 0:
+            break
+        if attempt == 4:
+            raise WorkspaceError(f"git worktree add failed: {p.stderr.strip()}")
+        time.sleep(0.5 + attempt)
+    try:
+        cache = main / ".dvc" / "cache"
+        cfg = path / ".dvc" / "config.local"
+        if (path / ".dvc").is_dir():
+            cfg.write_text(f"[core]\n    analytics = false\n[cache]\n    dir = {cache}\n")
+        _link_sources(main, path)
+        if overrides:
+            apply_overrides(path / "params.yaml", overrides)
+        yield path
+    finally:
+        if not keep:
+            _git(main, "worktree", "remove", "--force", str(path), check=False)
+            if path.exists():
+                shutil.rmtree(path, ignore_errors=True)
+            _git(main, "worktree", "prune", check=False)
+
+
+@contextlib.contextmanager
+def workspace_lock(root: str | Path, wait_s: float | None = None) -> Iterator[None]:
+    """Hold ``.splatflow/workspace.lock`` while reproducing in a checkout (released when the process dies)."""
+    lock = Path(root) / ".splatflow" / "workspace.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a+") as fh:
+        t0 = time.monotonic()
+        while True:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if wait_s is not None and time.monotonic() - t0 > wait_s:
+                    raise WorkspaceError(f"{root} is busy: another splatflow run holds {lock}") from None
+                time.sleep(1.0)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
