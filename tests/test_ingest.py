@@ -20,7 +20,7 @@ from skimage import data
 from splatflow.config import IngestConfig, params_from_dict
 from splatflow.errors import UserError
 from splatflow.paths import ScenePaths
-from splatflow.scene.imagehash import hamming, phash, sharpness, to_gray_f32
+from splatflow.scene.imagehash import correlation, hamming, phash, sharpness, thumbnail, to_gray_f32
 from splatflow.scene.ingest import ingest, neighbour_indices, output_names
 from splatflow.scene.video import window_bounds
 
@@ -156,7 +156,7 @@ def test_rerun_gives_identical_files(ingested, capture, tmp_path):
 
 def test_measures_separate_blur_and_duplicates_on_real_content():
     """The measures the thresholds rest on: blur costs far more sharpness than content changes across a pan;
-    re-encoding keeps the hash, a 12 % pan changes it by many bits."""
+    re-encoding keeps the hash close and the thumbnails correlated, a small pan does not."""
     views = [to_gray_f32(_crop(x)) for x in range(0, 256, 32)]
     s = np.array([sharpness(v, 640) for v in views])
     blurred = sharpness(cv2.GaussianBlur(views[3], (0, 0), 1.0), 640)
@@ -165,8 +165,12 @@ def test_measures_separate_blur_and_duplicates_on_real_content():
     buf = cv2.imencode(".jpg", _crop(96)[..., ::-1], [cv2.IMWRITE_JPEG_QUALITY, 50])[1]
     recoded = to_gray_f32(cv2.imdecode(buf, cv2.IMREAD_GRAYSCALE))
     assert hamming(phash(views[3]), phash(recoded)) <= CFG.dedupe_max_distance
+    assert correlation(thumbnail(views[3]), thumbnail(recoded)) >= CFG.dedupe_min_correlation
+    # a 3 px pan (1 % of the width) is camera motion, not a duplicate
+    shifted = to_gray_f32(_crop(99))
+    assert correlation(thumbnail(views[3]), thumbnail(shifted)) < CFG.dedupe_min_correlation
     pans = [hamming(phash(a), phash(b)) for a, b in zip(views, views[1:])]
-    assert min(pans) > 3 * CFG.dedupe_max_distance
+    assert min(pans) > CFG.dedupe_max_distance
 
 
 def test_too_few_usable_images_error_counts_reasons(tmp_path):

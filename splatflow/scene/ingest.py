@@ -15,7 +15,8 @@ Why each step exists
   Laplacian, measured at a fixed width) is compared with the *median of the neighbouring images* in name order,
   because absolute sharpness depends on content and resolution (:mod:`splatflow.scene.imagehash`).
 * **Duplicates.** Repeated shots or a camera standing still add no geometry but bias training toward one view;
-  images whose perceptual hash lies within ``dedupe_max_distance`` bits of an earlier kept image are dropped.
+  an image whose perceptual hash lies within ``dedupe_max_distance`` bits of an earlier kept image *and* whose
+  thumbnail correlates with it at ``dedupe_min_correlation`` or more is dropped.
 * **Video.** The sharpest frame of each of ``video_frames`` equal windows (:mod:`splatflow.scene.video`), then
   the same blur/duplicate checks.
 
@@ -40,7 +41,7 @@ from tqdm import tqdm
 
 from splatflow.config import IngestConfig
 from splatflow.errors import UserError
-from splatflow.scene.imagehash import hamming_to_many, phash, sharpness, to_gray_f32
+from splatflow.scene.imagehash import correlation, hamming_to_many, phash, sharpness, thumbnail, to_gray_f32
 from splatflow.scene.video import is_video_path, iter_sharpest_frames, probe
 
 MIN_USABLE_IMAGES = 3  # fewer cannot make a two-view model plus one image to register against it
@@ -53,7 +54,7 @@ REASON_HINTS = {
     "too_small": "use larger images or lower ingest.min_side_px",
     "odd_size": "give every image the same size and orientation (one camera)",
     "blurry": "retake the blurry shots, or lower ingest.blur_rel_threshold (0 disables the check)",
-    "duplicate": "take photos from more distinct positions, or lower ingest.dedupe_max_distance",
+    "duplicate": "take photos from more distinct positions, or raise ingest.dedupe_min_correlation",
 }
 
 _ORIENTATION_TAG = 0x0112
@@ -71,6 +72,7 @@ class Candidate:
     height_px: int
     sharpness: float
     hash: np.ndarray  # [64] bool perceptual hash
+    thumb: np.ndarray  # [h, 128] float32 normalised grey thumbnail (confirms duplicates)
     written: str  # "copied" (bytes unchanged), "converted" (re-encoded) or "frame" (from a video)
     order: int  # position in processing (= output name) order
 
@@ -293,9 +295,9 @@ def _save(im: Image.Image, path: Path, cfg: IngestConfig) -> None:
         im.save(path, "PNG", compress_level=6, optimize=False, **extra)
 
 
-def _measure(rgb_u8: np.ndarray, cfg: IngestConfig) -> tuple[float, np.ndarray]:
+def _measure(rgb_u8: np.ndarray, cfg: IngestConfig) -> tuple[float, np.ndarray, np.ndarray]:
     gray = to_gray_f32(rgb_u8)  # [H, W]
-    return sharpness(gray, cfg.blur_measure_width), phash(gray)
+    return sharpness(gray, cfg.blur_measure_width), phash(gray), thumbnail(gray)
 
 
 def _too_small(w: int, h: int, cfg: IngestConfig) -> _Reject | None:
@@ -325,7 +327,7 @@ def _read_folder(source: Path, staging: Path, cfg: IngestConfig, progress: bool)
             if small:
                 raise small
             rgb = np.asarray(im)  # [H, W, 3] uint8
-            score, h64 = _measure(rgb, cfg)
+            score, h64, thumb = _measure(rgb, cfg)
             dst = staging / names[f]
             if clean_jpeg and cfg.image_format == "jpg":
                 shutil.copyfile(path, dst)  # byte-identical: no second JPEG generation
@@ -336,7 +338,7 @@ def _read_folder(source: Path, staging: Path, cfg: IngestConfig, progress: bool)
         except _Reject as r:
             rejected.append(Rejection(f, r.reason, r.detail, i))
             continue
-        candidates.append(Candidate(f, names[f], w, h, score, h64, written, i))
+        candidates.append(Candidate(f, names[f], w, h, score, h64, thumb, written, i))
     return candidates, rejected, len(files), ignored
 
 
@@ -348,14 +350,15 @@ def _read_video(source: Path, staging: Path, cfg: IngestConfig, progress: bool):
                                                 progress=progress)):
         name = f"frame_{fr.index:06d}.{cfg.image_format}"
         label = f"{source.name}#frame={fr.index}"
-        h, w = fr.rgb.shape[:2]
+        h, w = fr.bgr.shape[:2]
         small = _too_small(w, h, cfg)
         if small:
             rejected.append(Rejection(label, small.reason, small.detail, i))
             continue
-        _, h64 = _measure(fr.rgb, cfg)
-        _save(Image.fromarray(fr.rgb), staging / name, cfg)
-        candidates.append(Candidate(label, name, w, h, fr.sharpness, h64, "frame", i))
+        rgb = fr.rgb  # [H, W, 3]
+        _, h64, thumb = _measure(rgb, cfg)
+        _save(Image.fromarray(rgb), staging / name, cfg)
+        candidates.append(Candidate(label, name, w, h, fr.sharpness, h64, thumb, "frame", i))
     info.update(frames_requested=cfg.video_frames, frames_chosen=len(candidates) + len(rejected),
                 chosen_frame_indices=[int(c.source.rsplit("=", 1)[1]) for c in candidates])
     return candidates, rejected, len(candidates) + len(rejected), info
@@ -417,20 +420,31 @@ def _reject_blurry(cands: list[Candidate], rejected: list[Rejection], cfg: Inges
 
 
 def _reject_duplicates(cands: list[Candidate], rejected: list[Rejection], cfg: IngestConfig) -> list[Candidate]:
-    """Keep the first of each group of near-identical images (in order); compare with all kept so far."""
+    """Keep the first of each group of near-identical images (in order), comparing with every image kept so far.
+
+    Two stages: the 64-bit perceptual hash is a cheap prefilter (distance <= ``dedupe_max_distance``), and the
+    correlation of 128-px thumbnails decides (>= ``dedupe_min_correlation``): hashes alone confuse noise on smooth
+    content with small camera motion (see :func:`splatflow.scene.imagehash.correlation`).
+    """
     keep: list[Candidate] = []
-    hashes = np.zeros((0, 64), dtype=bool)  # [K, 64] hashes of kept images
+    hashes = np.zeros((len(cands), 64), dtype=bool)  # [K, 64] hashes of kept images in the first K rows
     for c in cands:
-        dist = hamming_to_many(c.hash, hashes)  # [K]
-        if len(dist) and dist.min() <= cfg.dedupe_max_distance:
-            j = int(np.argmin(dist))
+        dist = hamming_to_many(c.hash, hashes[:len(keep)])  # [K]
+        near = np.flatnonzero(dist <= cfg.dedupe_max_distance)
+        best_j, best_ncc = -1, -1.0
+        for j in near:
+            ncc = correlation(c.thumb, keep[j].thumb)
+            if ncc > best_ncc:
+                best_j, best_ncc = int(j), ncc
+        if best_j >= 0 and best_ncc >= cfg.dedupe_min_correlation:
             rejected.append(Rejection(
                 c.source, "duplicate",
-                f"near-duplicate of {keep[j].source} (perceptual-hash distance {int(dist[j])} <= "
-                f"ingest.dedupe_max_distance = {cfg.dedupe_max_distance})", c.order))
+                f"near-duplicate of {keep[best_j].source} (thumbnail correlation {best_ncc:.4f} >= "
+                f"ingest.dedupe_min_correlation = {cfg.dedupe_min_correlation}; perceptual-hash distance "
+                f"{int(dist[best_j])})", c.order))
             continue
+        hashes[len(keep)] = c.hash
         keep.append(c)
-        hashes = np.vstack([hashes, c.hash[None, :]])
     return keep
 
 

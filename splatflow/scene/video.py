@@ -23,7 +23,7 @@ import numpy as np
 from tqdm import tqdm
 
 from splatflow.errors import UserError
-from splatflow.scene.imagehash import sharpness, to_gray_f32
+from splatflow.scene.imagehash import sharpness
 
 VIDEO_SUFFIXES = frozenset(
     {".mp4", ".m4v", ".mov", ".avi", ".mkv", ".webm", ".mpg", ".mpeg", ".wmv", ".flv", ".mts", ".m2ts", ".ts",
@@ -38,9 +38,13 @@ class VideoFrame:
     """One chosen frame: its index in the source, its pixels and the sharpness it won its window with."""
 
     index: int
-    rgb: np.ndarray  # [H, W, 3] uint8
+    bgr: np.ndarray  # [H, W, 3] uint8, OpenCV channel order
     sharpness: float
     window: tuple[int, int]  # [start, stop) frame indices of the window it was chosen from
+
+    @property
+    def rgb(self) -> np.ndarray:
+        return cv2.cvtColor(self.bgr, cv2.COLOR_BGR2RGB)  # [H, W, 3]
 
 
 def is_video_path(path: Path) -> bool:
@@ -141,10 +145,10 @@ def iter_sharpest_frames(path: Path, n_frames: int, measure_width_px: int, *,
                     yield best
                 best = None
                 win += 1
-            rgb = cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)  # [H, W, 3]
-            score = sharpness(to_gray_f32(rgb), measure_width_px)
+            # Grey straight from BGR (same luma weights as from RGB); only the winner is converted to RGB.
+            score = sharpness(cv2.cvtColor(bgr, cv2.COLOR_BGR2GRAY).astype(np.float32), measure_width_px)
             if best is None or score > best.sharpness:
-                best = VideoFrame(index=index, rgb=rgb, sharpness=score, window=windows[win])
+                best = VideoFrame(index=index, bgr=bgr, sharpness=score, window=windows[win])
         if best is not None:
             yield best
     finally:
