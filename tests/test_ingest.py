@@ -309,18 +309,24 @@ def test_helpers():
     assert names == {"a.jpg": "a.jpg", "a.png": "a_png.jpg", "b.JPG": "b.jpg", "c.heic": "c.jpg"}
 
 
-def test_heic_is_converted(tmp_path):
+def test_heic_is_converted_and_upright(tmp_path):
     pillow_heif = pytest.importorskip("pillow_heif")
+    pillow_heif.register_heif_opener()
     src = tmp_path / "src"
     src.mkdir()
-    for k, x in enumerate((0, 64, 128)):
-        heif = pillow_heif.from_pillow(Image.fromarray(_crop(x)))
-        heif.save(src / f"IMG_{k}.HEIC", quality=95)
+    for k, x in enumerate((0, 64)):
+        Image.fromarray(_crop(x)).save(src / f"IMG_{k}.HEIC", format="HEIF", quality=95)
+    # an iPhone-style portrait-stored shot: sideways pixels + EXIF orientation 6
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    Image.fromarray(_crop(128)).transpose(Image.Transpose.ROTATE_90).save(
+        src / "IMG_2.HEIC", format="HEIF", quality=95, exif=exif.tobytes())
     out = tmp_path / "out" / "images"
     result = ingest(src, out, CFG, progress=False)
-    assert result.metrics()["converted"] == 3
+    assert result.metrics()["converted"] == 3 and not result.rejected
     assert sorted(p.name for p in out.iterdir()) == ["IMG_0.jpg", "IMG_1.jpg", "IMG_2.jpg"]
     assert np.abs(_decode(out / "IMG_1.jpg") - _crop(64)).mean() < 6.0
+    assert np.abs(_decode(out / "IMG_2.jpg") - _crop(128)).mean() < 6.0  # rotated once, not twice
 
 
 def test_stage_run_writes_images_and_returns_metrics(capture, tmp_path):

@@ -247,7 +247,7 @@ def open_image(path: Path) -> tuple[Image.Image, bool, str]:
             im = Image.open(path)
         except UnidentifiedImageError:
             raise _Reject("not_image", "not an image format Pillow/pillow-heif can read") from None
-        except (OSError, SyntaxError, ValueError) as e:
+        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
             raise _Reject("unreadable", f"cannot open: {e}") from None
         with im:
             fmt = im.format or "?"
