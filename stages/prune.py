@@ -16,8 +16,28 @@ def run(params: Params, paths: ScenePaths) -> dict:
     """Prune scene ``paths.scene``; write the pruned checkpoint; return the metrics."""
     from splatflow.prune import run_prune
 
-    return run_prune(params.prune, params.train, train_ckpt=paths.train_ckpt, out_ckpt=paths.prune_ckpt,
-                     undistorted_dir=paths.undistorted_dir, split_json=paths.split_json, seed=params.base.seed)
+    logger = _step_logger()
+
+    def log_phase(record: dict, splats: dict) -> None:  # one MLflow step per phase: the size/quality curve
+        if logger is not None:
+            logger.log(record["phase"], {"gaussians": record["gaussians"], "val_psnr": record["val_psnr"],
+                                         "keep_fraction": record["keep_fraction"]})
+
+    try:
+        return run_prune(params.prune, params.train, train_ckpt=paths.train_ckpt, out_ckpt=paths.prune_ckpt,
+                         undistorted_dir=paths.undistorted_dir, split_json=paths.split_json, seed=params.base.seed,
+                         phase_callback=log_phase)
+    finally:
+        if logger is not None:
+            logger.close()
+
+
+def _step_logger():
+    try:
+        from splatflow.tracking import step_logger
+    except ImportError:  # tracking is optional for the stage's own work
+        return None
+    return step_logger("prune")
 
 
 def main(argv=None) -> None:
