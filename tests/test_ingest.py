@@ -191,6 +191,13 @@ def test_too_few_usable_images_error_counts_reasons(tmp_path):
     assert not out.exists() and not any(out.parent.iterdir())  # nothing half-written
 
 
+def test_folder_of_folders_says_where_to_point(tmp_path):
+    (tmp_path / "shoot" / "day1").mkdir(parents=True)
+    _save_jpg(tmp_path / "shoot" / "day1" / "a.jpg", _crop(0))
+    with pytest.raises(UserError, match="sub-folders.*day1/"):
+        ingest(tmp_path / "shoot", tmp_path / "out" / "images", CFG, progress=False)
+
+
 def test_source_errors(tmp_path):
     with pytest.raises(UserError, match="does not exist"):
         ingest(tmp_path / "nope", tmp_path / "out", CFG, progress=False)
@@ -240,6 +247,7 @@ def test_video_keeps_the_sharpest_frame_of_each_window(tmp_path):
     m = result.metrics()
     assert m["source_kind"] == "video" and m["images_in"] == 6 and m["images_kept"] == 6
     assert m["video"]["chosen_frame_indices"] == sharp == [5, 13, 21, 29, 37, 45]
+    assert m["video"]["frames_decoded"] == 48 and m["video"]["width_px"] == 320
     assert sorted(p.name for p in out.iterdir()) == [f"frame_{i:06d}.jpg" for i in sharp]
     got = _decode(out / "frame_000013.jpg")  # the frame's real pixels, not a blurred neighbour
     want = _photo()[140:380, 52:372].astype(np.float64)

@@ -347,7 +347,7 @@ def _read_video(source: Path, staging: Path, cfg: IngestConfig, progress: bool):
     rejected: list[Rejection] = []
     info = probe(source)
     for i, fr in enumerate(iter_sharpest_frames(source, cfg.video_frames, cfg.blur_measure_width,
-                                                progress=progress)):
+                                                progress=progress, stats=info)):
         name = f"frame_{fr.index:06d}.{cfg.image_format}"
         label = f"{source.name}#frame={fr.index}"
         h, w = fr.bgr.shape[:2]
@@ -455,6 +455,10 @@ def _too_few_message(result: IngestResult) -> str:
     more = f" (and {len(result.rejected) - 8} more)" if len(result.rejected) > 8 else ""
     hints = "; ".join(f"{reason}: {REASON_HINTS[reason]}" for reason, _ in by_reason.most_common())
     what = "frames" if result.source_kind == "video" else "images"
+    folders = [n for n in result.ignored if n.endswith("/")]
+    if folders and result.images_in == 0:
+        return (f"{result.source}: no image files here, only sub-folders ({', '.join(folders[:5])}); ingest does not "
+                f"descend into sub-folders: point base.scenes.<scene>.source at the folder that holds the images.")
     return (
         f"{result.source}: only {len(result.kept)} usable {what} of {result.images_in}; structure from motion "
         f"needs at least {MIN_USABLE_IMAGES}. Rejected {len(result.rejected)}"

@@ -110,14 +110,14 @@ def _frames(cap: cv2.VideoCapture) -> Iterator[np.ndarray]:
         yield bgr
 
 
-def iter_sharpest_frames(path: Path, n_frames: int, measure_width_px: int, *,
-                         progress: bool = True) -> Iterator[VideoFrame]:
+def iter_sharpest_frames(path: Path, n_frames: int, measure_width_px: int, *, progress: bool = True,
+                         stats: dict | None = None) -> Iterator[VideoFrame]:
     """Decode ``path`` once, in order, and yield the sharpest frame of each of ``n_frames`` equal windows.
 
     Frames are yielded as soon as their window closes, so only one full-resolution frame per window is held in
     memory at a time (a 4K video with 300 windows would otherwise need ~7 GB). Ties keep the earlier frame, so
     the choice is deterministic. Raises UserError when the video cannot be opened or yields no frames (AV1 in
-    OpenCV, damaged files).
+    OpenCV, damaged files). ``stats``, if given, receives ``frames_decoded``.
     """
     path = Path(path)
     cap = _open(path)
@@ -154,6 +154,8 @@ def iter_sharpest_frames(path: Path, n_frames: int, measure_width_px: int, *,
     finally:
         bar.close()
         cap.release()
+        if stats is not None:
+            stats["frames_decoded"] = n_decoded
     if n_decoded == 0:
         raise UserError(_no_frames_message(path, codec))
     # Fewer frames than declared: the windows past the end stay empty and yield nothing.
