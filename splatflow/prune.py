@@ -99,10 +99,12 @@ def volume_weight(log_scales: torch.Tensor, beta: float = 0.1, ref_quantile: flo
     return torch.exp(beta * torch.clamp(log_v - log_ref, max=0.0))  # clamp(V / V_ref, 0, 1) ** beta
 
 
-def _resolve_backend(backend: str) -> str:
-    if backend == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return backend
+def _backend_device(backend: str) -> tuple[str, torch.device]:
+    """The concrete backend ("auto" resolved, CUDA availability checked) and the device its inputs live on."""
+    from splatflow.render import resolve_backend
+
+    name = resolve_backend(backend)
+    return name, torch.device("cuda" if name == "cuda" else "cpu")
 
 
 @torch.no_grad()
@@ -115,16 +117,16 @@ def view_weight_sums(splats: dict[str, torch.Tensor], cameras: Sequence[Camera],
     """
     from splatflow.render import rasterize
 
-    backend = _resolve_backend(backend)
-    a = activated(splats)
+    backend, dev = _backend_device(backend)
+    a = {k: v.to(dev) for k, v in activated(splats).items()}
     n = a["means"].shape[0]
     total = torch.zeros(n, dtype=torch.float64)
     if n == 0:
         return total
-    rgb = torch.zeros(n, 3)  # [N, 3]: weights do not depend on colour
+    rgb = torch.zeros(n, 3, device=dev)  # [N, 3]: weights do not depend on colour
     for cam in tqdm(cameras, desc=desc, disable=not progress, leave=False):
-        viewmat = torch.as_tensor(cam.world_to_cam, dtype=torch.float32)[None]  # [1, 4, 4]
-        K = torch.as_tensor(cam.K, dtype=torch.float32)[None]  # [1, 3, 3]
+        viewmat = torch.as_tensor(cam.world_to_cam, dtype=torch.float32, device=dev)[None]  # [1, 4, 4]
+        K = torch.as_tensor(cam.K, dtype=torch.float32, device=dev)[None]  # [1, 3, 3]
         _, _, info = rasterize(a["means"], a["quats"], a["scales"], a["opacities"], rgb, viewmat, K,
                                cam.width, cam.height, backend=backend, return_stats=True)
         if "weight_sum" not in info:
@@ -179,12 +181,14 @@ def render_rgb(splats: dict[str, torch.Tensor], sh_degree: int, cam: Camera, bac
     """One view ``[H, W, 3]`` in [0, 1] (black background, as training)."""
     from splatflow.render import rasterize
 
-    a = activated(splats)
-    viewmat = torch.as_tensor(cam.world_to_cam, dtype=torch.float32)[None]  # [1, 4, 4]
-    K = torch.as_tensor(cam.K, dtype=torch.float32)[None]  # [1, 3, 3]
-    colors, _, _ = rasterize(a["means"], a["quats"], a["scales"], a["opacities"], a["colors"], viewmat, K,
-                             cam.width, cam.height, sh_degree=sh_degree, backend=_resolve_backend(backend))
-    return colors[0, ..., :3].clamp(0.0, 1.0)  # [H, W, 3]
+    backend, dev = _backend_device(backend)
+    a = {k: v.to(dev) for k, v in activated(splats).items()}
+    viewmat = torch.as_tensor(cam.world_to_cam, dtype=torch.float32, device=dev)[None]  # [1, 4, 4]
+    K = torch.as_tensor(cam.K, dtype=torch.float32, device=dev)[None]  # [1, 3, 3]
+    sh = a["colors"][:, : (sh_degree + 1) ** 2]  # [N, K', 3]: only the active bands
+    colors, _, _ = rasterize(a["means"], a["quats"], a["scales"], a["opacities"], sh, viewmat, K,
+                             cam.width, cam.height, sh_degree=sh_degree, backend=backend)
+    return colors[0, ..., :3].clamp(0.0, 1.0).cpu()  # [H, W, 3]
 
 
 @torch.no_grad()
