@@ -1,0 +1,63 @@
+"""Train/test split of the registered images.
+
+The standard protocol of the novel-view-synthesis literature (Mip-NeRF 360, Barron et al., CVPR 2022; 3D Gaussian
+Splatting, Kerbl et al., SIGGRAPH 2023): sort the images by name and hold out every 8th one, starting with the
+first (``index % 8 == 0``). Keeping this exact rule is what makes our PSNR/SSIM/LPIPS comparable with published
+tables. The ``fraction`` rule holds out ``round(test_fraction * n)`` views spread evenly over the sorted list, for
+small captures where every 8th image would leave too few (or too many) test views.
+SfM sees every image; only the training loss must never see a test view.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from splatflow.config import SplitConfig
+from splatflow.errors import UserError
+
+__all__ = ["split_names", "registered_names", "write_split"]
+
+
+def split_names(names: list[str], cfg: SplitConfig) -> dict:
+    """``{"train": [...], "test": [...], "rule": str}`` for image ``names`` (sorted here; order does not matter)."""
+    ordered = sorted(set(names))
+    n = len(ordered)
+    if n < 2:
+        raise UserError(f"{n} registered image(s): a train/test split needs at least 2")
+    if cfg.rule == "every_nth":
+        test_idx = set(range(0, n, cfg.every_n))
+        rule = f"every_nth: sorted by name, index % {cfg.every_n} == 0 is test"
+    elif cfg.rule == "fraction":
+        n_test = min(n - 1, max(1, int(round(cfg.test_fraction * n))))
+        # Evenly spaced over the sorted list, the first view included (as in the every_nth rule).
+        test_idx = {int(i) for i in np.floor(np.arange(n_test) * n / n_test)}
+        rule = f"fraction: {n_test} of {n} evenly spaced views (test_fraction {cfg.test_fraction:g}) are test"
+    else:  # pragma: no cover - the config loader only admits the two rules
+        raise ValueError(f"unknown split rule {cfg.rule!r}")
+    if len(test_idx) >= n:
+        raise UserError(f"split rule {cfg.rule} would put all {n} images in test; raise split.every_n")
+    return {"train": [x for i, x in enumerate(ordered) if i not in test_idx],
+            "test": [x for i, x in enumerate(ordered) if i in test_idx],
+            "rule": rule}
+
+
+def registered_names(undistorted_dir: str | Path) -> list[str]:
+    """Names of the registered images of the undistorted model (what training and evaluation can use)."""
+    from splatflow.scene.dataset import load_scene
+
+    return [v.name for v in load_scene(undistorted_dir).views]
+
+
+def write_split(undistorted_dir: str | Path, out_json: str | Path, cfg: SplitConfig) -> dict:
+    """Split the registered images of ``undistorted_dir`` and write ``out_json`` atomically; returns the split."""
+    split = split_names(registered_names(undistorted_dir), cfg)
+    out = Path(out_json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(split, indent=1) + "\n")
+    os.replace(tmp, out)
+    return split

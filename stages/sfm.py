@@ -1,0 +1,45 @@
+"""DVC stage `sfm`: ``data/<scene>/images/`` -> ``data/<scene>/sparse/``, ``data/<scene>/undistorted/`` and
+``metrics/<scene>/sfm.json``.
+
+Thin shell: the work (and the reasons behind each choice) lives in :mod:`splatflow.scene.sfm`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from splatflow.config import Params
+from splatflow.paths import ScenePaths
+from splatflow.scene.sfm import run_sfm
+from splatflow.stage import stage_main
+
+VIDEO_SUFFIXES = {".mp4", ".mov", ".avi", ".mkv", ".webm", ".m4v", ".mpg", ".mpeg"}
+
+
+def _project_path(paths: ScenePaths, value: str) -> Path:
+    """A path from params.yaml: relative paths are relative to the project root (where params.yaml is)."""
+    p = Path(value).expanduser()
+    return p if p.is_absolute() else paths.root / p
+
+
+def run(params: Params, paths: ScenePaths) -> dict:
+    """SfM for one scene; returns the sfm.json metrics."""
+    scene = params.scene(paths.scene)
+    gt = _project_path(paths, scene.ground_truth) if scene.ground_truth else None
+    # Frames of a video are an ordered sequence: sequential matching fits them (when sfm.matcher is "auto").
+    from_video = Path(scene.source).suffix.lower() in VIDEO_SUFFIXES
+    result = run_sfm(paths.images_dir, paths.sparse_dir, paths.undistorted_dir, params.sfm, seed=params.base.seed,
+                     threads=params.base.threads, ordered_sequence=from_video, ground_truth=gt)
+    m = result.metrics
+    print(f"sfm [{paths.scene}]: {m['images_registered']}/{m['images_total']} images registered, {m['points3d']} "
+          f"points, reprojection error {m['mean_reprojection_error_px']:.3f} px ({result.matcher} matching) "
+          f"-> {paths.undistorted_dir}")
+    return m
+
+
+def main(argv: list[str] | None = None) -> None:
+    stage_main("sfm", run, argv, needs_threads=False)  # pycolmap gets its thread count from base.threads
+
+
+if __name__ == "__main__":
+    main()
