@@ -106,33 +106,9 @@ def reproduce(root: Path, scene: str, *, main_root: Path, force: bool, stage_tim
         raise
     finally:
         if cl is not None and run_id is not None:
-            _finish_run(cl, run_id, root, scene, stages, status)
+            tracking.finalize_scene_run(cl, run_id, root, scene, stages, status)
     metrics = cl.get_run(run_id).data.metrics if cl is not None else {}
     return {"scene": scene, "run_id": run_id, "stages": results, "metrics": metrics, "workspace": str(root)}
-
-
-def _finish_run(cl, run_id: str, root: Path, scene: str, stages: list[str], status: str) -> None:
-    """Final metrics of every stage, artifacts of stages DVC skipped, dvc.lock and its hashes, then the status."""
-    import json
-
-    from splatflow.paths import ScenePaths
-
-    with contextlib.suppress(Exception):
-        tags = cl.get_run(run_id).data.tags
-        metrics = {}
-        mdir = ScenePaths(scene, root).metrics_dir
-        for f in sorted(mdir.glob("*.json")) if mdir.exists() else []:
-            with contextlib.suppress(Exception):
-                metrics.update(tracking.numeric_metrics(json.loads(f.read_text()), f.stem))
-        tracking._log_batch(cl, run_id, metrics=metrics, tags=tracking.dvc_lock_tags(root, scene))
-        for stage in stages:
-            base = stage.partition("@")[0]
-            if tags.get(f"splatflow.stage.{base}") != "done" and status == "FINISHED":
-                tracking.log_files(cl, run_id, root, tracking.artifact_files(root, base, scene))
-        if (root / "dvc.lock").exists():
-            tracking.log_files(cl, run_id, root, [root / "dvc.lock"])
-    with contextlib.suppress(Exception):
-        cl.set_terminated(run_id, status)
 
 
 @flow(name="reconstruct", log_prints=True)

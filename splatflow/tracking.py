@@ -579,6 +579,36 @@ def stage_tracking(stage: str, scene: str, params: Any = None, paths: Any = None
             signal.signal(signal.SIGTERM, prev_handler)
 
 
+def finalize_scene_run(cl, run_id: str, root: Path, scene: str, stages: Iterable[str], status: str) -> None:
+    """End a scene run owned by a flow/rerun: the final metrics of every stage (``metrics/<scene>/*.json``, also
+    for stages DVC skipped), the artifacts of stages that did not log themselves, dvc.lock and its stage hashes,
+    then ``status``.  Each step is best effort: the status is always set."""
+    from splatflow.paths import ScenePaths
+
+    try:
+        tags = cl.get_run(run_id).data.tags
+        metrics = {}
+        mdir = ScenePaths(scene, root).metrics_dir
+        for f in sorted(mdir.glob("*.json")) if mdir.exists() else []:
+            with contextlib.suppress(Exception):
+                metrics.update(numeric_metrics(json.loads(f.read_text()), f.stem))
+        _log_batch(cl, run_id, metrics=metrics, tags=dvc_lock_tags(root, scene))
+        if status == "FINISHED":
+            for stage in stages:
+                base = stage.partition("@")[0]
+                if tags.get(f"splatflow.stage.{base}") != "done":
+                    log_files(cl, run_id, root, artifact_files(root, base, scene))
+                    if base == "train":
+                        StageTracker(base, scene, root, None, cl, run_id)._log_train_png()
+        if (root / "dvc.lock").exists():
+            log_files(cl, run_id, root, [root / "dvc.lock"])
+    except Exception as e:  # noqa: BLE001
+        warnings.warn(f"splatflow tracking: finalising run {run_id} failed: {e}", stacklevel=2)
+    finally:
+        with contextlib.suppress(Exception):
+            cl.set_terminated(run_id, status)
+
+
 def log_stage(scene: str, stage: str, params: Any = None, metrics: dict | None = None,
               artifacts: Iterable[Path] | None = None, run_id: str | None = None, root: Path | None = None) -> None:
     """Log one stage's params, final metrics and artifacts into a given run (or ``MLFLOW_RUN_ID``) at once.
