@@ -1,0 +1,242 @@
+"""Evaluation under the standard novel-view-synthesis protocol (DESIGN.md section 6).
+
+* Only the split's TEST views are opened (the split's rule: every 8th image by name, as Mip-NeRF 360 and the
+  3DGS paper, Kerbl et al. 2023); training images are never read, so a number here is never a training-set score.
+* Gradients are off and one (render, ground truth) pair lives in memory at a time: memory stays flat however many
+  views there are.
+* PSNR and SSIM on RGB in [0, 1] (float renders clamped to [0, 1]; the ground truth comes from 8-bit files);
+  optionally the render is rounded to 8 bits first, as when scoring saved PNGs. LPIPS variants are stored under
+  their own names (:mod:`splatflow.lpips`), null with the reason when weights are missing.
+* Render time is the wall clock of one ``rasterize`` call per view (batch of one camera), after one untimed
+  warm-up render (the first call compiles/caches kernels); FPS = 1 / mean render time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from splatflow.config import EvaluateConfig
+from splatflow.errors import UserError
+from splatflow.lpips import VARIANT_INPUTS, LpipsSet
+from splatflow.metrics import psnr, quantize_8bit, ssim
+
+PER_VIEW_COLUMNS = ["view", "width", "height", "psnr", "ssim", "lpips_vgg_01", "lpips_vgg", "lpips_alex",
+                    "render_seconds", "rss_mb"]
+
+
+def per_view_schema():
+    """pandera schema of ``metrics/S/per_view.csv`` (coerce=True: pandas 3 reads strings as its own dtype)."""
+    import pandera.pandas as pa
+
+    lp = dict(nullable=True, checks=pa.Check.ge(0.0))
+    return pa.DataFrameSchema(
+        {
+            "view": pa.Column(str, unique=True),
+            "width": pa.Column(int, pa.Check.gt(0)),
+            "height": pa.Column(int, pa.Check.gt(0)),
+            "psnr": pa.Column(float, pa.Check.ge(0.0)),  # images in [0, 1]: MSE <= 1; inf for a perfect render
+            "ssim": pa.Column(float, pa.Check.in_range(-1.0, 1.0)),
+            "lpips_vgg_01": pa.Column(float, **lp),
+            "lpips_vgg": pa.Column(float, **lp),
+            "lpips_alex": pa.Column(float, **lp),
+            "render_seconds": pa.Column(float, pa.Check.gt(0.0)),
+            "rss_mb": pa.Column(float, pa.Check.gt(0.0)),
+        },
+        strict=True, coerce=True, ordered=True,
+    )
+
+
+def read_rgb(path: Path, width: int, height: int) -> torch.Tensor:
+    """``[H, W, 3]`` float32 in [0, 1] from an image file; the size must match the camera."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as im:
+            arr = np.asarray(im.convert("RGB"), dtype=np.float32) / 255.0
+    except Exception as e:  # noqa: BLE001 - PIL raises many types for unreadable files
+        raise UserError(f"{path}: cannot read this test image ({e}); rerun the sfm stage to rewrite "
+                        f"data/<scene>/undistorted/images") from None
+    if arr.shape[:2] != (height, width):
+        raise UserError(f"{path}: image is {arr.shape[1]}x{arr.shape[0]} but its camera is {width}x{height}; "
+                        f"rerun the sfm stage so images and cameras agree")
+    return torch.from_numpy(arr)
+
+
+def rss_mb() -> float:
+    """Current resident set size of this process in MiB."""
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**20
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process so far in MiB (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def error_heatmap(render: torch.Tensor, gt: torch.Tensor, gain: float) -> np.ndarray:
+    """``[H, W, 3]`` uint8: mean absolute error x ``gain`` on a black-red-yellow-white ramp."""
+    e = ((render - gt).abs().mean(dim=-1) * gain).clamp(0, 1).numpy()  # [H, W]
+    rgb = np.stack([np.clip(3 * e, 0, 1), np.clip(3 * e - 1, 0, 1), np.clip(3 * e - 2, 0, 1)], axis=-1)
+    return (rgb * 255 + 0.5).astype(np.uint8)
+
+
+def save_side_by_side(path: Path, render: torch.Tensor, gt: torch.Tensor, gain: float) -> None:
+    """``render | ground truth | error map`` as one PNG."""
+    from PIL import Image
+
+    to8 = lambda x: (x.clamp(0, 1).numpy() * 255 + 0.5).astype(np.uint8)  # noqa: E731
+    row = np.concatenate([to8(render), to8(gt), error_heatmap(render, gt, gain)], axis=1)  # [H, 3W, 3]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(row).save(path)
+
+
+@dataclass
+class PreparedModel:
+    """Activated parameters, computed once for all views."""
+
+    means: torch.Tensor
+    quats: torch.Tensor
+    scales: torch.Tensor
+    opacities: torch.Tensor
+    colors: torch.Tensor  # [N, K, 3] SH coefficients
+    sh_degree: int
+
+    @classmethod
+    def from_splats(cls, splats: dict, sh_degree: int) -> "PreparedModel":
+        return cls(means=splats["means"], quats=splats["quats"], scales=torch.exp(splats["scales"]),
+                   opacities=torch.sigmoid(splats["opacities"]),
+                   colors=torch.cat([splats["sh0"], splats["shN"]], dim=1), sh_degree=sh_degree)
+
+    @property
+    def n(self) -> int:
+        return int(self.means.shape[0])
+
+    @torch.no_grad()
+    def render(self, view, backend: str) -> torch.Tensor:
+        from splatflow.render import rasterize
+
+        viewmat = torch.from_numpy(np.asarray(view.world_to_cam, dtype=np.float32))[None]  # [1, 4, 4]
+        K = torch.from_numpy(np.asarray(view.K, dtype=np.float32))[None]  # [1, 3, 3]
+        colors, _, _ = rasterize(self.means, self.quats, self.scales, self.opacities, self.colors, viewmat, K,
+                                 int(view.width), int(view.height), sh_degree=self.sh_degree, backend=backend)
+        return colors[0, ..., :3].clamp(0.0, 1.0)  # [H, W, 3]
+
+
+def model_size_mb(splats: dict) -> float:
+    """Size of the Gaussian parameters as float32 (what an uncompressed export holds), in MiB."""
+    return sum(int(v.numel()) for v in splats.values()) * 4 / 2**20
+
+
+def _train_peak_rss(train_json: Path | None) -> float | None:
+    if train_json is None or not Path(train_json).exists():
+        return None
+    try:
+        return json.loads(Path(train_json).read_text()).get("peak_rss_mb")
+    except (json.JSONDecodeError, AttributeError):
+        return None
+
+
+def evaluate(splats: dict, sh_degree: int, test_views: list, cfg: EvaluateConfig, *, renders_dir: Path | None = None,
+             split_rule: str | None = None, train_json: Path | None = None, progress: bool = True,
+             lpips: LpipsSet | None = None) -> tuple[dict, "object"]:
+    """Score ``splats`` on ``test_views``; returns ``(summary dict, per-view DataFrame)`` (validated)."""
+    import pandas as pd
+    from tqdm import tqdm
+
+    from splatflow.render import resolve_backend
+
+    if not test_views:
+        raise UserError("the split has no test views, so there is nothing to evaluate; check data/<scene>/split.json "
+                        "(split.every_n in params.yaml) and rerun the split stage")
+    backend = resolve_backend(cfg.backend)
+    model = PreparedModel.from_splats(splats, sh_degree)
+    lpips = lpips if lpips is not None else LpipsSet(cfg.lpips_variants, cfg.lpips_backbone_dir)
+
+    rows = []
+    with torch.no_grad():
+        model.render(test_views[0], backend)  # untimed warm-up (kernel compilation / caches)
+        for view in tqdm(test_views, desc="evaluate", unit="view", disable=not progress):
+            t0 = time.perf_counter()
+            render = model.render(view, backend)  # [H, W, 3]
+            seconds = time.perf_counter() - t0
+            gt = read_rgb(Path(view.image_path), int(view.width), int(view.height))  # [H, W, 3]
+            if cfg.quantize_8bit:
+                render = quantize_8bit(render)
+            x, y = render.permute(2, 0, 1)[None], gt.permute(2, 0, 1)[None]  # [1, 3, H, W]
+            lp = lpips(x, y)
+            row = {"view": view.name, "width": int(view.width), "height": int(view.height), "psnr": psnr(x, y),
+                   "ssim": ssim(x, y), **{v: lp.get(v) for v in ("lpips_vgg_01", "lpips_vgg", "lpips_alex")},
+                   "render_seconds": seconds}
+            if renders_dir is not None and cfg.save_renders:
+                save_side_by_side(Path(renders_dir) / (Path(view.name).stem + ".png"), render, gt, cfg.error_gain)
+            del render, gt, x, y
+            row["rss_mb"] = rss_mb()
+            rows.append(row)
+
+    df = pd.DataFrame(rows, columns=PER_VIEW_COLUMNS)
+    df = per_view_schema().validate(df)
+
+    def mean(col):
+        vals = df[col].dropna()
+        return float(vals.mean()) if len(vals) else None
+
+    mean_seconds = float(df["render_seconds"].mean())
+    summary = {
+        "test_views": len(df),
+        "psnr": mean("psnr"),
+        "ssim": mean("ssim"),
+        **{v: mean(v) for v in cfg.lpips_variants},
+        "render_seconds_mean": mean_seconds,
+        "fps": 1.0 / mean_seconds if mean_seconds > 0 else None,
+        "gaussians": model.n,
+        "model_size_mb": round(model_size_mb(splats), 4),
+        "peak_rss_mb_evaluate": round(peak_rss_mb(), 1),
+        "peak_rss_mb_train": _train_peak_rss(train_json),
+        "protocol": {
+            "views": "test views of the split only (training images are never opened)",
+            "split_rule": split_rule,
+            "image_sizes": sorted({f"{w}x{h}" for w, h in zip(df["width"], df["height"])}),
+            "color": "RGB in [0, 1]; renders clamped to [0, 1], black background; ground truth from 8-bit files",
+            "render_quantized_8bit": cfg.quantize_8bit,
+            "psnr": "-10 log10(MSE) over all pixels and channels of each view, then the mean over views",
+            "ssim": "11x11 Gaussian window, sigma 1.5, C1=0.01^2, C2=0.03^2, zero 'same' padding (3DGS code)",
+            "lpips": {v: VARIANT_INPUTS[v] for v in cfg.lpips_variants},
+            "lpips_weights": "v0.1 linear layers from the lpips package files; ImageNet trunks from "
+                             + (cfg.lpips_backbone_dir or "the torch hub cache"),
+            "lpips_null_reasons": {v: lpips.reason(v) for v in cfg.lpips_variants if lpips.reason(v)},
+            "sh_degree": sh_degree,
+            "backend": backend,
+            "threads": torch.get_num_threads(),
+            "render_timing": "wall clock of one rasterize() call per view (1 camera) after one untimed warm-up",
+        },
+    }
+    if summary["psnr"] is not None and math.isinf(summary["psnr"]):
+        summary["protocol"]["note"] = "at least one view is rendered exactly (PSNR inf)"
+    return summary, df
+
+
+def evaluate_scene(ckpt_path: Path, undistorted_dir: Path, split_json: Path, cfg: EvaluateConfig, *,
+                   renders_dir: Path | None, per_view_csv: Path, train_json: Path | None = None,
+                   progress: bool = True) -> dict:
+    """Load checkpoint and scene, evaluate on the test views, write ``per_view.csv``; return the summary."""
+    from splatflow.model import load_splats
+    from splatflow.scene.dataset import load_scene, read_split
+
+    splats, sh_degree = load_splats(ckpt_path)
+    scene = load_scene(undistorted_dir, split_json)
+    rule = read_split(split_json).get("rule")
+    summary, df = evaluate(splats, sh_degree, scene.test_views, cfg, renders_dir=renders_dir, split_rule=rule,
+                           train_json=train_json, progress=progress)
+    per_view_csv = Path(per_view_csv)
+    per_view_csv.parent.mkdir(parents=True, exist_ok=True)
+    df.to_csv(per_view_csv, index=False)
+    return summary

@@ -1,0 +1,38 @@
+"""DVC stage `evaluate`: the pruned model scored on the split's test views (DESIGN.md section 6).
+
+Reads ``models/<scene>/prune/ckpt.pt``, ``data/<scene>/undistorted`` and ``data/<scene>/split.json``; writes
+``metrics/<scene>/evaluate.json`` (means + protocol), ``metrics/<scene>/per_view.csv`` (pandera-validated) and
+``data/<scene>/renders/<view>.png`` (render | ground truth | error map). The work is in :mod:`splatflow.evaluate`.
+"""
+
+from __future__ import annotations
+
+from splatflow.config import Params
+from splatflow.evaluate import evaluate_scene
+from splatflow.paths import ScenePaths
+from splatflow.stage import stage_main
+
+
+def run(params: Params, paths: ScenePaths) -> dict:
+    cfg = params.evaluate
+    renders = paths.renders_dir
+    if renders.exists():  # no stale images of views that are no longer test views
+        for old in renders.glob("*.png"):
+            old.unlink()
+    summary = evaluate_scene(paths.prune_ckpt, paths.undistorted_dir, paths.split_json, cfg,
+                             renders_dir=renders if cfg.save_renders else None, per_view_csv=paths.per_view_csv,
+                             train_json=paths.metrics_json("train"))
+    lp = ", ".join(f"{v} {summary[v]:.4f}" if summary[v] is not None else f"{v} null" for v in cfg.lpips_variants)
+    print(f"evaluate [{paths.scene}]: {summary['test_views']} test views: PSNR {summary['psnr']:.2f} dB, "
+          f"SSIM {summary['ssim']:.4f}, {lp}; {summary['fps']:.1f} FPS, {summary['gaussians']} Gaussians")
+    for v, why in summary["protocol"]["lpips_null_reasons"].items():
+        print(f"evaluate [{paths.scene}]: {v} is null: {why}")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    stage_main("evaluate", run, argv)
+
+
+if __name__ == "__main__":
+    main()
