@@ -6,6 +6,8 @@ Thin shell: writing and the independent read-back check of every file live in :m
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from splatflow.config import Params
 from splatflow.export import export_model
 from splatflow.model import load_splats
@@ -19,6 +21,10 @@ def run(params: Params, paths: ScenePaths) -> dict:
     metrics = export_model(splats, sh_degree, paths.export_dir, formats=cfg.formats, spz_version=cfg.spz_version,
                            spz_from_coordinates=cfg.spz_from_coordinates)
     for fmt, info in metrics["files"].items():
+        try:  # project-relative paths, so export.json is the same in every clone
+            info["path"] = str(Path(info["path"]).resolve().relative_to(Path(paths.root).resolve()))
+        except ValueError:
+            pass
         print(f"export [{paths.scene}]: {info['path']} {info['size_mb']:.2f} MB, {info['gaussians']} Gaussians, "
               f"verified with {info['verified_with']}")
     return metrics

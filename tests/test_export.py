@@ -38,6 +38,7 @@ def test_export_stage_writes_verified_files_and_metrics(tmp_path):
     for fmt, info in out["files"].items():
         f = paths.export_dir / f"scene.{fmt}"
         assert f.exists() and info["bytes"] == f.stat().st_size and info["gaussians"] == 400
+        assert info["path"] == f"models/demo/export/scene.{fmt}"  # project-relative
     assert out["files"]["splat"]["bytes"] == 400 * 32
     assert out["files"]["spz"]["bytes"] < out["files"]["ply"]["bytes"] / 4  # SPZ is the compact one
     assert out["files"]["spz"]["verified_with"].startswith(("gsply", "splatflow"))
