@@ -182,3 +182,22 @@ def test_bad_files_raise_clear_errors(tmp_path):
     b3.write_bytes(b"hello\n")
     with pytest.raises(ValueError, match="not a PLY"):
         read_ply(b3)
+
+
+def test_our_spz_reader_decodes_files_written_by_gsply(tmp_path):
+    """The other direction: an independent encoder (gsply, v3) writes, our reader decodes within quantisation."""
+    gsply = pytest.importorskip("gsply")
+    s = make_splats(n=200)
+    q = unit(s["quats"]).numpy()
+    data = gsply.GSData.from_arrays(means=s["means"].numpy(), scales=s["scales"].numpy(), quats=q,
+                                    opacities=s["opacities"].numpy(), sh0=s["sh0"][:, 0].numpy(),
+                                    shN=s["shN"].numpy(), format="ply")
+    p = tmp_path / "g.spz"
+    gsply.write_spz(str(p), data)
+    r, deg = read_spz(p, to_coordinates="none")  # gsply writes the arrays as given (no frame change)
+    assert deg == 3
+    assert float((r["means"] - s["means"]).abs().max()) <= 0.5 / 4096 + 1e-6
+    assert float((r["scales"] - s["scales"]).abs().max()) <= 0.5 / 16 + 1e-6
+    assert float((r["sh0"] - s["sh0"]).abs().max()) <= 0.5 / (0.15 * 255) + 1e-6
+    assert float((r["shN"] - s["shN"]).abs().max()) <= 8.5 / 128 + 1e-6
+    assert float(quat_angle_err(r["quats"], s["quats"]).max()) < 2e-5
