@@ -102,6 +102,7 @@ def main(argv=None) -> None:
         metrics = prune.run_prune(cfg, params.train, train_ckpt=ckpt, out_ckpt=Path(tmp) / "ckpt.pt", scene=scene,
                                   seed=params.base.seed, phase_callback=on_phase)
         total_s = time.perf_counter() - t_all
+    rows[0]["val_psnr"] = metrics["val_psnr_before"]
 
     print()
     print("| phase | keep | Gaussians | size (MB) | val PSNR (train views) | test PSNR | test drop (dB) | "
