@@ -177,7 +177,8 @@ def evaluate(splats: dict, sh_degree: int, test_views: list, cfg: EvaluateConfig
                    "ssim": ssim(x, y), **{v: lp.get(v) for v in ("lpips_vgg_01", "lpips_vgg", "lpips_alex")},
                    "render_seconds": seconds}
             if renders_dir is not None and cfg.save_renders:
-                save_side_by_side(Path(renders_dir) / (Path(view.name).stem + ".png"), render, gt, cfg.error_gain)
+                save_side_by_side(Path(renders_dir) / Path(view.name).with_suffix(".png"), render, gt,
+                                  cfg.error_gain)
             del render, gt, x, y
             row["rss_mb"] = rss_mb()
             rows.append(row)

@@ -17,7 +17,7 @@ def run(params: Params, paths: ScenePaths) -> dict:
     cfg = params.evaluate
     renders = paths.renders_dir
     if renders.exists():  # no stale images of views that are no longer test views
-        for old in renders.glob("*.png"):
+        for old in renders.rglob("*.png"):
             old.unlink()
     summary = evaluate_scene(paths.prune_ckpt, paths.undistorted_dir, paths.split_json, cfg,
                              renders_dir=renders if cfg.save_renders else None, per_view_csv=paths.per_view_csv,
