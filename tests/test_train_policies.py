@@ -197,7 +197,7 @@ def test_mcmc_strategy_runs_on_cpu_and_respects_cap():
     strat.step_post_backward(p, opts, state, 1, {}, lr=1e-3)
     ev = strat.last_event
     assert ev["relocated"] == 20 and ev["added"] == 10 and p["means"].shape[0] == 210
-    assert float(torch.sigmoid(p["opacities"]).min()) > 0.005  # the dead ones were moved onto live ones
+    assert float(torch.sigmoid(p["opacities"].detach()).min()) > 0.005  # the dead ones were moved onto live ones
     for step in range(2, 6):
         strat.step_post_backward(p, opts, state, step, {}, lr=1e-3)
     assert p["means"].shape[0] == 215

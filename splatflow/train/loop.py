@@ -175,6 +175,10 @@ class Trainer:
         if isinstance(self.strategy, TorchMCMCStrategy):  # 3DGS-MCMC regularisers (Kheradmand et al. 2024 §4.3)
             loss = loss + cfg.densify.mcmc_opacity_reg * torch.sigmoid(self.params["opacities"]).mean() \
                 + cfg.densify.mcmc_scale_reg * torch.exp(self.params["scales"]).mean()
+        if not self._grad_checked and not loss.requires_grad:
+            raise GradientHealthError(
+                f"the training loss does not depend on the Gaussians at all (view {self.views[i].name}): the render "
+                "was detached from the parameters. Training would run and learn nothing, so it stops here.")
         loss_f = float(loss.detach())
         if not math.isfinite(loss_f):
             raise FloatingPointError(f"loss is {loss_f} at step {step} (view {self.views[i].name})")
@@ -308,6 +312,10 @@ class Trainer:
     def run(self) -> TrainResult:
         cfg = self.cfg
         self.resumed_from = self.step if self.try_resume() else None
+        if self.resumed_from is None:  # a fresh run repeats exactly for a given seed (view order, splits, noise)
+            random.seed(self.seed)
+            np.random.seed(self.seed)
+            torch.manual_seed(self.seed)
         self._reset_csv()
         start_step = self.step
         initial_psnr = self.validate() if self.step == 0 and cfg.early_stop.enabled else None
