@@ -98,11 +98,29 @@ def rasterize(
                                backgrounds=backgrounds, rasterize_mode=rasterize_mode, render_mode=render_mode,
                                absgrad=absgrad, return_stats=return_stats, eps2d=eps2d, radius_clip=radius_clip)
 
-    proj = project_gaussians(means, quats, scales, opacities, viewmats, Ks, width, height,
-                             near_plane=near_plane, far_plane=far_plane, eps2d=eps2d,
-                             antialiased=rasterize_mode == "antialiased", radius_clip=radius_clip)
+    if name == "cpu" and means.dtype in (torch.float32, torch.float64):
+        # fused numba projection + SH with an analytic backward (the torch version below is the oracle's)
+        from .cpu import project_cpu
+
+        if sh_degree is not None:
+            if colors.dim() != 3 or colors.shape[0] != N or colors.shape[-1] != 3:
+                raise ValueError(f"SH colors must be [N, K, 3]; got {tuple(colors.shape)}")
+            if not 0 <= sh_degree <= 3 or colors.shape[1] < (sh_degree + 1) ** 2:
+                raise ValueError(f"sh_degree {sh_degree} needs 0..3 and (sh_degree+1)^2 <= K = {colors.shape[1]}")
+        proj = project_cpu(means, quats, scales, opacities, colors if sh_degree is not None else None, viewmats,
+                           Ks, width, height, near_plane=near_plane, far_plane=far_plane, eps2d=eps2d,
+                           antialiased=rasterize_mode == "antialiased", radius_clip=radius_clip,
+                           sh_degree=sh_degree)
+        if sh_degree is not None:
+            rgb = proj["colors"]  # [C, N, 3]
+        else:
+            rgb = gaussian_colors(colors, None, means, viewmats, proj["valid"])  # [C, N, D]
+    else:
+        proj = project_gaussians(means, quats, scales, opacities, viewmats, Ks, width, height,
+                                 near_plane=near_plane, far_plane=far_plane, eps2d=eps2d,
+                                 antialiased=rasterize_mode == "antialiased", radius_clip=radius_clip)
+        rgb = gaussian_colors(colors, sh_degree, means, viewmats, proj["valid"])  # [C, N, D]
     means2d = proj["means2d"]  # [C, N, 2]
-    rgb = gaussian_colors(colors, sh_degree, means, viewmats, proj["valid"])  # [C, N, D]
     feats = rgb
     bgs = backgrounds
     if render_mode == "RGB+ED":

@@ -100,6 +100,25 @@ def _pixel_rect(mx, my, rx, ry, px0, py0, pw, ph):
     return xa, xb, ya, yb
 
 
+@nb.njit(cache=True, inline="always")
+def _row_span(mx, dy, ca, cb, cc, s_max, xa, xb):
+    """Pixels of one row that can reach ``sigma <= s_max`` (i.e. ``alpha >= 1/255``), clipped to [xa, xb].
+
+    sigma(dx) = 0.5 ca dx^2 + cb dy dx + 0.5 cc dy^2 is a parabola in dx = mx - (px + 0.5); outside its roots
+    sigma > s_max and the pixel would be skipped anyway, so visiting only the span changes no result. A 1e-3 px
+    margin keeps rounding from dropping a pixel on the boundary.
+    """
+    disc = (cb * cb - ca * cc) * dy * dy + 2.0 * ca * s_max
+    if disc < 0.0:
+        return 1, 0
+    r = math.sqrt(disc)
+    dx_lo = (-cb * dy - r) / ca
+    dx_hi = (-cb * dy + r) / ca
+    lo = max(xa, int(math.ceil(mx - dx_hi - 0.5 - 1e-3)))
+    hi = min(xb, int(math.floor(mx - dx_lo - 0.5 + 1e-3)))
+    return lo, hi
+
+
 @nb.njit(parallel=True, cache=True)
 def rasterize_fwd(offsets, ids, means2d, conics, colors, opacities, radii, backgrounds,
                   n_cams, width, height, tiles_x, tiles_y, want_stats):
@@ -146,12 +165,14 @@ def rasterize_fwd(offsets, ids, means2d, conics, colors, opacities, radii, backg
             cb = np.float64(conics[g, 1])
             cc = np.float64(conics[g, 2])
             op = np.float64(opacities[g])
+            s_max = math.log(op / ALPHA_MIN)
             wsum = 0.0
             nh = 0
             for py in range(ya, yb + 1):
                 dy = my - (py + 0.5)
                 row = (py - py0) * TILE - px0
-                for px in range(xa, xb + 1):
+                lo, hi = _row_span(mx, dy, ca, cb, cc, s_max, xa, xb)
+                for px in range(lo, hi + 1):
                     li = row + px
                     if done[li]:
                         continue
@@ -266,6 +287,7 @@ def rasterize_bwd(offsets, ids, means2d, conics, colors, opacities, radii, backg
             cb = np.float64(conics[g, 1])
             cc = np.float64(conics[g, 2])
             op = np.float64(opacities[g])
+            s_max = math.log(op / ALPHA_MIN)
             v_mx = 0.0
             v_my = 0.0
             v_ca = 0.0
@@ -279,7 +301,8 @@ def rasterize_bwd(offsets, ids, means2d, conics, colors, opacities, radii, backg
             for py in range(ya, yb + 1):
                 dy = my - (py + 0.5)
                 row = (py - py0) * TILE - px0
-                for px in range(xa, xb + 1):
+                lo, hi = _row_span(mx, dy, ca, cb, cc, s_max, xa, xb)
+                for px in range(lo, hi + 1):
                     li = row + px
                     if k > last[li]:
                         continue

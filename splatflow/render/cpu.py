@@ -114,3 +114,64 @@ def rasterize_cpu(
     if not return_stats:
         return img, alpha, None, None
     return img, alpha, hits, wsum
+
+
+class _ProjectCPU(torch.autograd.Function):
+    """Fused projection + SH colour (numba, :mod:`._proj_kernels`) with its analytic backward."""
+
+    @staticmethod
+    def forward(ctx, means, quats, scales, opacities, sh, viewmats, Ks, width, height, near_plane, far_plane,
+                eps2d, antialiased, radius_clip, sh_degree):
+        from . import _proj_kernels as P
+        from .projection import camera_centers
+
+        dt = means.dtype
+        N = means.shape[0]
+        vm = _np(viewmats, torch.float64)
+        ks = _np(Ks, torch.float64)
+        campos = _np(camera_centers(viewmats.detach().to(torch.float64)))
+        sh_np = _np(sh, dt) if sh is not None else np.zeros((N, 1, 3), _np(means[:0]).dtype)
+        deg = int(sh_degree) if sh is not None else -1
+        args = (_np(means, dt), _np(quats, dt), _np(scales, dt), _np(opacities, dt), sh_np, deg, vm, ks, campos,
+                int(width), int(height))
+        m2, con, dep, op, col, radii = P.project_fwd(*args, float(near_plane), float(far_plane), float(eps2d),
+                                                     bool(antialiased), float(radius_clip))
+        radii_t = torch.from_numpy(radii)
+        ctx.mark_non_differentiable(radii_t)
+        ctx.args = args
+        ctx.extra = (float(eps2d), bool(antialiased), radii)
+        ctx.has_sh = sh is not None
+        return (torch.from_numpy(m2), torch.from_numpy(con), torch.from_numpy(dep), torch.from_numpy(op),
+                torch.from_numpy(col), radii_t)
+
+    @staticmethod
+    def backward(ctx, v_m2, v_con, v_dep, v_op, v_col, _v_radii):
+        from . import _proj_kernels as P
+
+        args = ctx.args
+        eps2d, antialiased, radii = ctx.extra
+        dt = torch.from_numpy(args[0][:0]).dtype
+        C, N = radii.shape[0], radii.shape[1]
+
+        def g(t, shape):
+            return _np(t, dt) if t is not None else np.zeros(shape, args[0].dtype)
+
+        gm, gq, gs, go, gsh = P.project_bwd(
+            *args, eps2d, antialiased, radii,
+            g(v_m2, (C, N, 2)), g(v_con, (C, N, 3)), g(v_dep, (C, N)), g(v_op, (C, N)), g(v_col, (C, N, 3)),
+        )
+        out = [torch.from_numpy(a).to(dt) for a in (gm, gq, gs, go)]
+        v_sh = torch.from_numpy(gsh).to(dt) if ctx.has_sh else None
+        return (*out, v_sh) + (None,) * 10
+
+
+def project_cpu(means, quats, scales, opacities, sh, viewmats, Ks, width, height, *, near_plane, far_plane,
+                eps2d, antialiased, radius_clip, sh_degree):
+    """numba projection + SH; returns the same dict as :func:`.projection.project_gaussians` plus ``colors``
+    ([C, N, 3] SH colours, or None when ``sh`` is None)."""
+    m2, con, dep, op, col, radii = _ProjectCPU.apply(
+        means, quats, scales, opacities, sh, viewmats, Ks, width, height, near_plane, far_plane, eps2d,
+        antialiased, radius_clip, sh_degree,
+    )
+    return {"means2d": m2, "conics": con, "depths": dep, "opacities": op, "radii": radii,
+            "valid": (radii > 0).all(-1), "colors": col if sh is not None else None}
