@@ -2,7 +2,9 @@
 
 Implemented from the published format description (README "File Format" of the reference library), versions 2
 and 3, written and read here; the export stage and tests cross-check files with the independent ``gsply``
-package's decoder.
+package's decoder. Checked once by hand against Niantic's own C++ decoder (compiled to WebAssembly, npm
+``@spz-loader/core`` 0.3.1) on v2 and v3 files written here: positions and SH identical, scales (as exp), alphas
+(as sigmoid) and rotations equal to ours within 3e-6.
 
 Layout (one gzip stream, little endian): a 16-byte header ``uint32 magic = 0x5053474e ("NGSP"), uint32 version,
 uint32 numPoints, uint8 shDegree, uint8 fractionalBits, uint8 flags, uint8 reserved``, then the attributes
