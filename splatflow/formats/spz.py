@@ -35,7 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
-from splatflow.formats.common import as_numpy_splats, logit, normalize_quats, sigmoid, splats_to_torch
+from splatflow.formats.common import (as_numpy_splats, logit, normalize_quats, sh_degree_of, sigmoid,
+                                      splats_to_torch)
 
 MAGIC = 0x5053474E
 HEADER = struct.Struct("<IIIBBBB")  # magic, version, numPoints, shDegree, fractionalBits, flags, reserved
@@ -133,8 +134,8 @@ def write_spz(path: str | Path, splats: dict, sh_degree: int | None = None, *, v
         raise ValueError(f"from_coordinates must be 'RDF' or 'none', got {from_coordinates!r}")
     a = as_numpy_splats(splats)
     n = len(a["means"])
-    alloc = a["shN"].shape[1]
-    degree = int(round((alloc + 1) ** 0.5)) - 1 if sh_degree is None else min(sh_degree, int(round((alloc + 1) ** 0.5)) - 1)
+    alloc_degree = sh_degree_of(a["shN"].shape[1])
+    degree = alloc_degree if sh_degree is None else min(sh_degree, alloc_degree)
     if degree > 3:
         raise ValueError(f"SH degree {degree} > 3 is not supported")
     k1 = (degree + 1) ** 2 - 1
