@@ -501,8 +501,8 @@ def create_scene_run(cl, scene: str, root: Path, params: Any = None, *, uri: str
     name = run_name or f"{scene}-{time.strftime('%Y%m%d-%H%M%S')}"
     run = cl.create_run(exp, run_name=name, tags=all_tags)
     run_id = run.info.run_id
-    if params is not None:
-        _log_batch(cl, run_id, params=flatten_params(params, ["base.seed", "base.threads"]))
+    if params is not None:  # every section: the run stands for the whole pipeline state, run or skipped
+        _log_batch(cl, run_id, params=flatten_params(params))
     if seed_metrics:
         from splatflow.paths import ScenePaths
 

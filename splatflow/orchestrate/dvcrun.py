@@ -118,15 +118,33 @@ def kill_group(proc: subprocess.Popen, grace_s: float = KILL_GRACE_S) -> None:
         os.killpg(proc.pid, signal.SIGTERM)
     except ProcessLookupError:
         return
+    deadline = time.monotonic() + grace_s
     try:
         proc.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
         pass
-    try:  # the group may outlive its leader (the stage python under dvc's shell)
+    # The group may outlive its leader: dvc can exit at once while the stage python below it is still in its
+    # SIGTERM handler marking the MLflow run KILLED.  Give the members the rest of the grace period.
+    while time.monotonic() < deadline and _group_members(proc.pid):
+        time.sleep(0.1)
+    try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
     proc.wait()
+
+
+def _group_members(pgid: int) -> list[int]:
+    import psutil
+
+    members = []
+    for p in psutil.process_iter(["pid", "status"]):
+        try:
+            if p.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(p.info["pid"]) == pgid:
+                members.append(p.info["pid"])
+        except (ProcessLookupError, psutil.Error, OSError):
+            continue
+    return members
 
 
 def run_dvc_stage(root: str | Path, stage: str, *, force: bool = False, timeout_s: float | None = None,

@@ -1,0 +1,263 @@
+"""MLflow tracking under real DVC: one run per scene per `dvc repro`, SIGTERM -> KILLED with DVC consistent,
+reap of runs whose owner died, compare, batched step metrics.
+
+The DVC project here has two trivial stages that go through `splatflow.tracking.stage_tracking` exactly as
+`stage_main` does, so each test costs seconds instead of a reconstruction; the real stages are exercised by
+tests/test_flows.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from splatflow import tracking
+from splatflow.orchestrate import dvcrun
+from tests._project import BIN, run
+
+FAKE_STAGE = textwrap.dedent('''
+    """A stand-in stage: params -> step metrics -> an output file -> final metrics, inside stage_tracking."""
+    import json, os, pathlib, sys, time
+    import yaml
+    from splatflow.tracking import stage_tracking, step_logger
+
+    stage, scene = sys.argv[1], sys.argv[2]
+    params = yaml.safe_load(open("params.yaml"))
+    with stage_tracking(stage, scene, params) as tracker:
+        steps = step_logger(stage)
+        for i in range(params[stage]["steps"]):
+            steps.log(i, {"loss": 1.0 / (i + 1)})
+        steps.close()
+        pathlib.Path("started").write_text(stage)
+        time.sleep(float(os.environ.get("FAKE_SLEEP_" + stage.upper(), "0")))
+        out = pathlib.Path(f"out/{scene}/{stage}.ply")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(f"ply {stage} {params[stage]['steps']}")
+        metrics = {"psnr": 20.0 + params[stage]["steps"] / 100, "stage_seconds": 0.1}
+        pathlib.Path(f"metrics/{scene}").mkdir(parents=True, exist_ok=True)
+        pathlib.Path(f"metrics/{scene}/{stage}.json").write_text(json.dumps(metrics))
+        tracker.log_result(metrics)
+''')
+
+DVC_YAML = textwrap.dedent('''
+    stages:
+      one:
+        foreach: ${base.scenes}
+        do:
+          cmd: python fake_stage.py one ${key}
+          deps:
+            - ${item.source}
+            - fake_stage.py
+          params:
+            - base.seed
+            - one
+          outs:
+            - out/${key}/one.ply
+          metrics:
+            - metrics/${key}/one.json:
+                cache: false
+      two:
+        foreach: ${base.scenes}
+        do:
+          cmd: python fake_stage.py two ${key}
+          deps:
+            - out/${key}/one.ply
+          params:
+            - two
+          outs:
+            - out/${key}/two.ply
+          metrics:
+            - metrics/${key}/two.json:
+                cache: false
+''')
+
+
+def make_toy_project(root: Path, scenes=("a",), steps_one: int = 3) -> Path:
+    """A git + DVC project with the two fake stages above (also used by tests/test_servers.py)."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "fake_stage.py").write_text(FAKE_STAGE)
+    (root / "dvc.yaml").write_text(DVC_YAML)
+    params = {"base": {"scenes": {s: {"source": f"raw/{s}"} for s in scenes}, "seed": 0},
+              "one": {"steps": steps_one}, "two": {"steps": 2}}
+    (root / "params.yaml").write_text(json.dumps(params, indent=1))
+    for s in scenes:
+        (root / "raw" / s).mkdir(parents=True, exist_ok=True)
+        (root / "raw" / s / "capture.txt").write_text(f"scene {s}")
+    (root / ".gitignore").write_text("/mlflow.db\n/mlartifacts/\n/.splatflow/\n/metrics/\n/started\n")
+    repo = Path(__file__).resolve().parents[1]
+    if (repo / "flows").is_dir():
+        import shutil
+
+        shutil.copytree(repo / "flows", root / "flows", ignore=shutil.ignore_patterns("__pycache__"),
+                        dirs_exist_ok=True)
+    run(["git", "init", "-q"], root)
+    run(["git", "config", "user.email", "test@splatflow"], root)
+    run(["git", "config", "user.name", "splatflow test"], root)
+    run([str(BIN / "dvc"), "init", "-q"], root)
+    run([str(BIN / "dvc"), "config", "core.analytics", "false"], root)
+    run(["git", "add", "-A"], root)
+    run(["git", "commit", "-qm", "toy project"], root)
+    return root
+
+
+def toy_env(root: Path, **extra) -> dict:
+    env = dvcrun.stage_env({"SPLATFLOW_TRACKING": "on", "MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlflow.db'}",
+                            "MLFLOW_RUN_ID": None, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    env.update(extra)
+    return env
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    return make_toy_project(tmp_path_factory.mktemp("toy"))
+
+
+@pytest.fixture()
+def mlflow_client(toy, monkeypatch):
+    monkeypatch.setenv("SPLATFLOW_TRACKING", "on")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{toy / 'mlflow.db'}")
+    return tracking.client()
+
+
+def scene_runs(cl, scene: str):
+    exps = [e.experiment_id for e in cl.search_experiments()]
+    return cl.search_runs(exps, filter_string=f"tags.`splatflow.scene` = '{scene}'",
+                          order_by=["attributes.start_time DESC"])
+
+
+def test_dvc_repro_logs_one_run_per_scene(toy, mlflow_client):
+    p = run([str(BIN / "dvc"), "repro"], toy, env=toy_env(toy))
+    assert "Running stage 'two@a'" in p.stdout
+    runs = scene_runs(mlflow_client, "a")
+    assert len(runs) == 1, "both stages of one dvc repro must share one MLflow run"
+    r = runs[0]
+    assert r.info.status == "FINISHED"
+    # params of the sections each stage declares in dvc.yaml, final metrics with stage prefix, step metrics
+    assert r.data.params["one.steps"] == "3" and r.data.params["two.steps"] == "2"
+    assert r.data.params["base.seed"] == "0"
+    assert r.data.metrics["one.psnr"] == pytest.approx(20.03)
+    assert r.data.metrics["two.psnr"] == pytest.approx(20.02)
+    history = mlflow_client.get_metric_history(r.info.run_id, "one/loss")
+    assert [m.step for m in history] == [0, 1, 2]
+    tags = r.data.tags
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=toy, capture_output=True, text=True).stdout.strip()
+    assert tags["git.commit"] == head and tags["git.dirty"] == "false"
+    assert tags["splatflow.started_by"] == "dvc" and tags["splatflow.host"]
+    assert "dvc.hash.one" in tags  # stage one's dvc.lock entry existed when stage two logged
+    arts = {a.path for a in mlflow_client.list_artifacts(r.info.run_id, "out/a")}
+    assert arts == {"out/a/one.ply", "out/a/two.ply"}
+    state = json.loads((toy / ".splatflow" / "runs" / "a.json").read_text())
+    assert state["run_id"] == r.info.run_id
+
+    # a param change reruns only stage two, in a *new* run seeded with stage one's current metrics
+    params = json.loads((toy / "params.yaml").read_text())
+    params["two"]["steps"] = 5
+    (toy / "params.yaml").write_text(json.dumps(params, indent=1))
+    p = run([str(BIN / "dvc"), "repro"], toy, env=toy_env(toy))
+    assert "Running stage 'two@a'" in p.stdout and "Running stage 'one@a'" not in p.stdout
+    runs = scene_runs(mlflow_client, "a")
+    assert len(runs) == 2
+    new = runs[0]
+    assert new.info.run_id != r.info.run_id and new.info.status == "FINISHED"
+    assert new.data.metrics["two.psnr"] == pytest.approx(20.05)
+    assert new.data.metrics["one.psnr"] == pytest.approx(20.03)  # seeded from metrics/a/one.json
+    assert new.data.tags["git.dirty"] == "true"  # params.yaml differs from the commit
+
+    table = tracking.compare([r.info.run_id, new.info.run_id])
+    assert ("param", "two.steps") in table.index and ("param", "one.steps") not in table.index
+    assert table.loc[("metric", "two.psnr"), "delta"] == pytest.approx(0.03)
+    run(["git", "checkout", "params.yaml"], toy)
+
+
+def test_sigterm_marks_run_killed_and_dvc_reruns_the_stage(toy, mlflow_client):
+    run([str(BIN / "dvc"), "repro"], toy, env=toy_env(toy))  # everything up to date first
+    params = json.loads((toy / "params.yaml").read_text())
+    params["one"]["steps"] = 4
+    (toy / "params.yaml").write_text(json.dumps(params, indent=1))
+    (toy / "started").unlink(missing_ok=True)
+    before = len(scene_runs(mlflow_client, "a"))
+
+    # dvc repro in its own process group, killed by the same code path a flow timeout/cancel uses
+    env = toy_env(toy, FAKE_SLEEP_ONE="60")
+    proc = subprocess.Popen([str(BIN / "dvc"), "repro", "--single-item", "one@a"], cwd=toy, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    t0 = time.monotonic()
+    while not (toy / "started").exists():
+        assert proc.poll() is None and time.monotonic() - t0 < 120, "stage never started"
+        time.sleep(0.2)
+    dvcrun.kill_group(proc)
+    runs = scene_runs(mlflow_client, "a")
+    assert len(runs) == before + 1
+    assert runs[0].info.status == "KILLED"
+
+    # DVC is consistent: the killed stage is stale, and the next repro reruns it and completes
+    status = run([str(BIN / "dvc"), "status", "one@a"], toy, env=toy_env(toy))
+    assert "one@a" in status.stdout and "up to date" not in status.stdout
+    p = run([str(BIN / "dvc"), "repro"], toy, env=toy_env(toy))
+    assert "Running stage 'one@a'" in p.stdout
+    assert (toy / "out/a/one.ply").read_text() == "ply one 4"
+    assert scene_runs(mlflow_client, "a")[0].info.status == "FINISHED"
+    run(["git", "checkout", "params.yaml"], toy)
+
+
+def test_reap_marks_runs_of_dead_owners_killed(toy, mlflow_client):
+    import psutil
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    start = psutil.Process(dead.pid).create_time()
+    dead.wait()
+    orphan = tracking.create_scene_run(mlflow_client, "reap", toy, owner_pid=None, seed_metrics=False,
+                                       tags={"splatflow.pid": str(dead.pid), "splatflow.pid_start": f"{start:.3f}"})
+    alive = tracking.create_scene_run(mlflow_client, "reap", toy, seed_metrics=False)  # owned by this process
+    assert mlflow_client.get_run(orphan).info.status == "RUNNING"
+
+    dry = tracking.reap(dry_run=True)
+    assert orphan in [r["run_id"] for r in dry] and mlflow_client.get_run(orphan).info.status == "RUNNING"
+    reaped = tracking.reap()
+    ids = [r["run_id"] for r in reaped]
+    assert orphan in ids and alive not in ids
+    assert mlflow_client.get_run(orphan).info.status == "KILLED"
+    assert mlflow_client.get_run(alive).info.status == "RUNNING"
+    mlflow_client.set_terminated(alive, "FINISHED")
+
+
+def test_step_logger_batches_and_is_off_when_disabled(toy, mlflow_client, monkeypatch):
+    run_id = tracking.create_scene_run(mlflow_client, "steps", toy, seed_metrics=False)
+    monkeypatch.setenv("MLFLOW_RUN_ID", run_id)
+    calls = []
+    lg = tracking.step_logger("train")
+    real = lg.client.log_batch
+    lg.client.log_batch = lambda *a, **k: (calls.append(len(k.get("metrics", []))), real(*a, **k))[1]
+    for step in range(1200):
+        lg.log(step, {"loss": 1.0 / (step + 1), "psnr": float(step)})
+    lg.close()
+    history = mlflow_client.get_metric_history(run_id, "train/loss")
+    assert len(history) == 1200 and history[-1].step == 1199
+    assert sum(calls) == 2400 and len(calls) <= 2400 // tracking.STEP_FLUSH_ROWS + 2  # batched, not per step
+
+    monkeypatch.setenv("SPLATFLOW_TRACKING", "off")
+    off = tracking.step_logger("train")
+    off.log(0, {"loss": 1.0})
+    off.close()
+    assert off.run_id is None
+    mlflow_client.set_terminated(run_id, "FINISHED")
+
+
+def test_tracking_uri_defaults_to_sqlite_at_repo_root(toy, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert tracking.tracking_uri(toy) == f"sqlite:///{toy.resolve() / 'mlflow.db'}"
+    exp_tmp = toy / ".dvc" / "tmp" / "exps" / "tmpabc"
+    exp_tmp.mkdir(parents=True)
+    (exp_tmp / "params.yaml").write_text("{}")
+    (exp_tmp / "dvc.yaml").write_text("stages: {}")
+    # `dvc exp run --temp` workspaces log to the main repo's store, not into a folder that vanishes
+    assert tracking.repo_root(exp_tmp) == toy.resolve()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5999")
+    assert tracking.tracking_uri(toy) == "http://127.0.0.1:5999"
