@@ -150,14 +150,16 @@ def verify_spz(path: Path, ref: dict[str, np.ndarray], version: int, from_coordi
 
 
 def export_model(splats: dict, sh_degree: int, out_dir: str | Path, *, formats=("ply", "splat", "spz"),
-                 spz_version: int = 3, spz_from_coordinates: str = "RDF") -> dict:
+                 spz_version: int = 3, spz_from_coordinates: str = "RDF", progress: bool = True) -> dict:
     """Write ``scene.<fmt>`` for each format into ``out_dir``, verify each, return the export metrics."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     ref = as_numpy_splats(splats, sh_degree)  # bands above the active degree zeroed, as written
     n = len(ref["means"])
     files = {}
-    for fmt in formats:
+    from tqdm import tqdm
+
+    for fmt in tqdm(formats, desc="export (write + verify)", unit="file", disable=not progress):
         path = out_dir / f"scene.{fmt}"
         if fmt == "ply":
             write_ply(path, splats, sh_degree)
