@@ -46,7 +46,8 @@ def photometric_loss(pred: torch.Tensor, gt: torch.Tensor, sigma_px: float, ssim
     """``(loss, l1, ssim)`` of ``[1, 3, H, W]`` images after blurring both by ``sigma_px`` (3DGS Eq. 7)."""
     from splatflow.render.ssim import ssim
 
-    pred, gt = gaussian_blur(pred, sigma_px), gaussian_blur(gt, sigma_px)
+    if sigma_px >= 0.05:  # one grouped convolution for both images
+        pred, gt = gaussian_blur(torch.cat([pred, gt], dim=1), sigma_px).split(3, dim=1)  # 2 x [1, 3, H, W]
     l1 = (pred - gt).abs().mean()
     s = ssim(pred, gt)
     return (1.0 - ssim_lambda) * l1 + ssim_lambda * (1.0 - s), l1, s
@@ -97,7 +98,7 @@ class Trainer:
         self.views = list(scene.train_views)
         self.cache = ImageCache(self.views, cfg.image_cache_mb)
         self.viewmats = [torch.from_numpy(np.asarray(v.world_to_cam, dtype=np.float32)) for v in self.views]
-        self.scene_scale = scene_scale(np.stack([v.world_to_cam for v in scene.views]))
+        self.scene_scale = scene_scale(np.stack([v.world_to_cam for v in self.views]))  # training cameras only
         self.sched = schedules or Schedules.from_config(cfg, self.scene_scale)
         if splats is None:
             splats = init_splats(scene.points, scene.colors, sh_degree=cfg.sh_degree,
@@ -321,7 +322,8 @@ class Trainer:
         initial_psnr = self.validate() if self.step == 0 and cfg.early_stop.enabled else None
         old_handler = self._install_sigterm()
         pbar = _progress(cfg.progress, cfg.max_steps, self.step)
-        stopped, t_start, t_last, last_good = "max_steps", time.perf_counter(), time.perf_counter(), None
+        stopped, t_start, t_last = "max_steps", self.elapsed_s, time.perf_counter()
+        last_good = self.resumed_from  # the step of the newest checkpoint on disk that is known to be finite
         try:
             while self.step < cfg.max_steps:
                 try:
@@ -389,7 +391,7 @@ class Trainer:
         train_s = self.elapsed_s
         return TrainResult(splats=splats, sh_degree=self.sched.sh.degree(max(self.step - 1, 0)), steps=self.step,
                            stopped=stopped, train_seconds=train_s,
-                           it_per_s=done / max(time.perf_counter() - t_start, 1e-9) if done else 0.0,
+                           it_per_s=done / max(self.elapsed_s - t_start, 1e-9) if done else 0.0,
                            val_psnr=self.val_psnr, events=list(self.events), initial_psnr=initial_psnr)
 
     def _install_sigterm(self):
@@ -438,7 +440,7 @@ def finetune(splats: dict[str, torch.Tensor], scene, steps: int, cfg: TrainConfi
     cfg2 = replace(cfg, max_steps=max(int(steps), 1), progress=progress, resume=False,
                    early_stop=replace(cfg.early_stop, enabled=False),
                    backend=backend or cfg.backend)
-    sc = scene_scale(np.stack([v.world_to_cam for v in scene.views]))
+    sc = scene_scale(np.stack([v.world_to_cam for v in scene.train_views]))
     sched = Schedules(resolution=ResolutionSchedule((0,), (1.0,)), blur=BlurSchedule(0.0, 0),
                       sh=SHSchedule(sh_degree, 1, start_degree=sh_degree),
                       means_lr=ExpDecay(cfg.lr.means * sc * cfg.lr.means_final_factor, 1.0, cfg2.max_steps))
