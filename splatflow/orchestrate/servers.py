@@ -107,7 +107,8 @@ def _spawn(name: str, cmd: list[str], log: Path, env: dict, cwd: Path | None = N
 
 
 def start_prefect(port: int = PREFECT_PORT, *, host: str = "127.0.0.1", home: Path | None = None,
-                  log_dir: Path | None = None, db_url: str | None = None) -> Server:
+                  log_dir: Path | None = None, db_url: str | None = None,
+                  extra_env: dict[str, str] | None = None) -> Server:
     """``prefect server start`` on ``host:port``; returns at once (call ``wait_healthy``)."""
     if port_in_use(port, host):
         raise RuntimeError(f"port {port} on {host} is in use: stop what runs there or pass another --prefect-port")
@@ -117,6 +118,7 @@ def start_prefect(port: int = PREFECT_PORT, *, host: str = "127.0.0.1", home: Pa
              "PREFECT_API_URL": f"http://{host}:{port}/api"}
     if db_url:
         extra["PREFECT_API_DATABASE_CONNECTION_URL"] = db_url
+    extra.update(extra_env or {})
     env = low_memory_env(extra)
     cmd = [str(VENV_BIN / "prefect"), "server", "start", "--host", host, "--port", str(port)]
     log = (log_dir or home) / "prefect-server.log"
