@@ -111,10 +111,11 @@ class PreparedModel:
     sh_degree: int
 
     @classmethod
-    def from_splats(cls, splats: dict, sh_degree: int) -> "PreparedModel":
-        return cls(means=splats["means"], quats=splats["quats"], scales=torch.exp(splats["scales"]),
-                   opacities=torch.sigmoid(splats["opacities"]),
-                   colors=torch.cat([splats["sh0"], splats["shN"]], dim=1), sh_degree=sh_degree)
+    def from_splats(cls, splats: dict, sh_degree: int, device: str = "cpu") -> "PreparedModel":
+        s = {k: v.to(device) for k, v in splats.items()}
+        return cls(means=s["means"], quats=s["quats"], scales=torch.exp(s["scales"]),
+                   opacities=torch.sigmoid(s["opacities"]),
+                   colors=torch.cat([s["sh0"], s["shN"]], dim=1), sh_degree=sh_degree)
 
     @property
     def n(self) -> int:
@@ -124,11 +125,14 @@ class PreparedModel:
     def render(self, view, backend: str) -> torch.Tensor:
         from splatflow.render import rasterize
 
-        viewmat = torch.from_numpy(np.asarray(view.world_to_cam, dtype=np.float32))[None]  # [1, 4, 4]
-        K = torch.from_numpy(np.asarray(view.K, dtype=np.float32))[None]  # [1, 3, 3]
+        dev = self.means.device
+        viewmat = torch.from_numpy(np.asarray(view.world_to_cam, dtype=np.float32))[None].to(dev)  # [1, 4, 4]
+        K = torch.from_numpy(np.asarray(view.K, dtype=np.float32))[None].to(dev)  # [1, 3, 3]
         colors, _, _ = rasterize(self.means, self.quats, self.scales, self.opacities, self.colors, viewmat, K,
                                  int(view.width), int(view.height), sh_degree=self.sh_degree, backend=backend)
-        return colors[0, ..., :3].clamp(0.0, 1.0)  # [H, W, 3]
+        if dev.type == "cuda":
+            torch.cuda.synchronize()  # so the caller's wall clock measures the render, not the launch
+        return colors[0, ..., :3].clamp(0.0, 1.0).cpu()  # [H, W, 3]
 
 
 def model_size_mb(splats: dict) -> float:
@@ -158,7 +162,7 @@ def evaluate(splats: dict, sh_degree: int, test_views: list, cfg: EvaluateConfig
         raise UserError("the split has no test views, so there is nothing to evaluate; check data/<scene>/split.json "
                         "(split.every_n in params.yaml) and rerun the split stage")
     backend = resolve_backend(cfg.backend)
-    model = PreparedModel.from_splats(splats, sh_degree)
+    model = PreparedModel.from_splats(splats, sh_degree, device="cuda" if backend == "cuda" else "cpu")
     lpips = lpips if lpips is not None else LpipsSet(cfg.lpips_variants, cfg.lpips_backbone_dir)
 
     rows = []
