@@ -157,3 +157,16 @@ def test_no_test_views_is_a_user_error(tmp_path):
     cfg = params_from_dict({}).evaluate
     with pytest.raises(UserError, match="no test views"):
         ev.evaluate(make_model(), 1, [], cfg, progress=False)
+
+
+def test_8bit_quantised_render_reproduces_the_saved_ground_truth_exactly(tmp_path):
+    """The ground truth here is the 8-bit PNG of the same render, so with quantize_8bit the pair is identical."""
+    paths, splats, test = build_scene(tmp_path / "p", n_views=8, test_every=4)
+    from splatflow.scene.dataset import load_scene
+    scene = load_scene(paths.undistorted_dir, paths.split_json)
+    cfg = params_from_dict({"evaluate": {"lpips_variants": ["lpips_alex"], "backend": "cpu",
+                                         "quantize_8bit": True}}).evaluate
+    summary, df = ev.evaluate(splats, 1, scene.test_views, cfg, progress=False, lpips=LpipsSet([], None))
+    assert (df["psnr"] == math.inf).all() and summary["psnr"] == math.inf
+    assert summary["protocol"]["render_quantized_8bit"] is True and "inf" in summary["protocol"]["note"]
+    assert df["ssim"].min() > 0.99999
