@@ -86,6 +86,17 @@ def test_split_stage_on_sfm_output(synthetic_sfm):
     assert out == {"train_views": 10, "test_views": 2}
 
 
+def test_sequential_matching_and_global_mapping(synthetic_project, tmp_path):
+    """The other matcher and mapper (both reachable from params) run offline and find the same cameras."""
+    root, paths = synthetic_project
+    cfg = SfmConfig(matcher="sequential", sequential_overlap=5, mapper="global")
+    result = run_sfm(paths.images_dir, tmp_path / "sparse", tmp_path / "undistorted", cfg, progress=False,
+                     ground_truth=root / "raw" / "syn" / "ground_truth")
+    assert result.matcher == "sequential"
+    assert result.metrics["images_registered"] == 12
+    assert result.metrics["camera_center_error_rel"] < 0.01
+
+
 def test_too_few_registered_images_fail_with_counts_and_advice(tmp_path):
     """Half the images are featureless: SfM registers only the textured half and must say so."""
     import cv2
