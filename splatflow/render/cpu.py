@@ -9,6 +9,7 @@ This is the tile-based differentiable rasterizer of Kerbl et al. (SIGGRAPH 2023)
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 import torch
 from torch import Tensor
@@ -41,7 +42,8 @@ class _RasterizeTiles(torch.autograd.Function):
         bg = _np(backgrounds, dt) if backgrounds is not None else np.zeros((C, D), col.dtype)
         offsets, ids = K.bin_tiles(m2, rad, order, N, C, tiles_x, tiles_y)
         out, T_final, last, isect_w, isect_hits = K.rasterize_fwd(
-            offsets, ids, m2, con, col, op, rad, bg, C, width, height, tiles_x, tiles_y, bool(want_stats)
+            offsets, ids, m2, con, col, op, rad, bg, C, width, height, tiles_x, tiles_y, bool(want_stats),
+            dt == torch.float32, numba.get_num_threads(),
         )
         img = torch.from_numpy(out)  # [C, H, W, D]
         alpha = (1.0 - torch.from_numpy(T_final)).to(dt)[..., None]  # [C, H, W, 1]
@@ -72,7 +74,8 @@ class _RasterizeTiles(torch.autograd.Function):
             v_alpha = torch.zeros(C, height, width, 1, dtype=dt)
         grads = K.rasterize_bwd(
             offsets, ids, m2, con, col, op, rad, bg, T_final, last,
-            _np(v_img, dt), _np(v_alpha[..., 0], dt), C, width, height, tiles_x, tiles_y,
+            _np(v_img, dt), _np(v_alpha[..., 0], dt), C, width, height, tiles_x, tiles_y, dt == torch.float32,
+            numba.get_num_threads(),
         )
         g = torch.from_numpy(grads).to(dt).reshape(C, N, 8 + D)  # [C, N, 8 + D]
         v_means2d = g[..., 0:2].contiguous()
