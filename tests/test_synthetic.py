@@ -10,7 +10,7 @@ pycolmap = pytest.importorskip("pycolmap")
 
 from splatflow.scene.synthetic import DEMO_DEFAULTS, SceneOptions, write_scene
 
-SMALL = dict(n_views=6, width=160, height=120, arc_deg=50.0, n_points=4000)
+SMALL = dict(n_views=4, width=320, height=240, arc_deg=30.0, n_points=4000)
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +39,14 @@ def _colour_errors(rec, image_dir, pose_of):
             if uv is None:
                 errs.append(255.0)
                 continue
-            col, row = int(np.floor(uv[0])), int(np.floor(uv[1]))
-            if 0 <= row < cam.height and 0 <= col < cam.width:
-                errs.append(np.abs(img[row, col] - point.color).mean())
+            # Bilinear sample; pixel (row i, col j) has its centre at (j + 0.5, i + 0.5) in COLMAP's convention.
+            x, y = uv[0] - 0.5, uv[1] - 0.5
+            if 0 <= x < cam.width - 1 and 0 <= y < cam.height - 1:
+                c, r = int(x), int(y)
+                fx, fy = x - c, y - r
+                pix = ((1 - fy) * ((1 - fx) * img[r, c] + fx * img[r, c + 1])
+                       + fy * ((1 - fx) * img[r + 1, c] + fx * img[r + 1, c + 1]))
+                errs.append(np.abs(pix - point.color).mean())
             else:
                 errs.append(255.0)
     return float(np.median(errs)), len(errs)
@@ -50,7 +55,7 @@ def _colour_errors(rec, image_dir, pose_of):
 def test_written_cameras_project_points_onto_their_rendered_pixels(small_scene):
     """Read the ground truth back with COLMAP's own reader and camera model: each 3D point (whose colour is the
     shaded texture at that surface point) must land on a pixel of that colour. A wrong convention (transposed
-    rotation, y up instead of down, a neighbour's pose, a half-image offset) lands on unrelated texture."""
+    rotation, y up instead of down, a neighbour's pose) lands on unrelated texture."""
     out, info = small_scene
     rec = pycolmap.Reconstruction(str(out / "ground_truth"))
     assert rec.num_images() == SMALL["n_views"] and rec.num_points3D() > 500

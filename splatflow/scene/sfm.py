@@ -239,6 +239,10 @@ def run_sfm(images_dir: str | Path, sparse_dir: str | Path, undistorted_dir: str
                 opts = pycolmap.GlobalPipelineOptions()
                 opts.num_threads = threads
                 opts.random_seed = seed
+                # CPU-only wheel: ask for no GPU solvers instead of warning and falling back.
+                opts.mapper.bundle_adjustment.ceres.use_gpu = False
+                opts.mapper.global_positioning.use_gpu = False
+                opts.mapper.bundle_adjustment.refine_principal_point = cfg.refine_principal_point
                 models = pycolmap.global_mapping(db, images_dir, models_dir, options=opts)
 
         if not models:
