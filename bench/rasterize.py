@@ -56,11 +56,12 @@ def make_scene(n: int, width: int, height: int, seed: int = 0) -> dict:
                 viewmats=viewmat[None], Ks=K[None], width=width, height=height, target=target)
 
 
-def run_once(scene: dict, backend: str) -> tuple[float, float]:
-    """One forward + backward; returns (forward s, backward s)."""
+def run_once(scene: dict, backend: str) -> tuple[float, float, float]:
+    """One forward + backward; returns (forward s, backward s, process CPU s of both)."""
     from splatflow.render import rasterize
 
     params = {k: scene[k].clone().requires_grad_() for k in ("means", "quats", "scales", "opacities", "colors")}
+    c0 = time.process_time()
     t0 = time.perf_counter()
     img, _alpha, info = rasterize(**params, viewmats=scene["viewmats"], Ks=scene["Ks"], width=scene["width"],
                                   height=scene["height"], sh_degree=3, backend=backend)
@@ -68,7 +69,7 @@ def run_once(scene: dict, backend: str) -> tuple[float, float]:
     t1 = time.perf_counter()
     loss.backward()
     t2 = time.perf_counter()
-    return t1 - t0, t2 - t1
+    return t1 - t0, t2 - t1, time.process_time() - c0
 
 
 def peak_rss_mb() -> float:
@@ -76,15 +77,19 @@ def peak_rss_mb() -> float:
 
 
 def compile_times() -> dict:
-    """Start-up cost of the CPU kernels in fresh processes: with an empty numba cache, then with a warm one."""
-    code = ("import os; os.environ.setdefault('OMP_WAIT_POLICY','PASSIVE'); from splatflow.render import warmup;"
-            " print(warmup())")
+    """Start-up cost of the CPU kernels in fresh processes: with an empty numba cache, then with a warm one.
+
+    Reports the wall seconds of ``warmup()`` and the CPU seconds it used (less sensitive to other load)."""
+    code = ("import os, time; os.environ.setdefault('OMP_WAIT_POLICY','PASSIVE'); from splatflow.render import warmup;"
+            " c = time.process_time(); w = warmup(); print(w, time.process_time() - c)")
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(os.environ, NUMBA_CACHE_DIR=tmp)
-        for label in ("first_compile_s", "cached_start_s"):
+        for label in ("first_compile", "cached_start"):
             r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-            out[label] = float(r.stdout.strip().splitlines()[-1])
+            wall, cpu = r.stdout.strip().splitlines()[-1].split()
+            out[f"{label}_s"] = float(wall)
+            out[f"{label}_cpu_s"] = float(cpu)
     return out
 
 
@@ -108,17 +113,20 @@ def main(argv: list[str] | None = None) -> dict:
 
     for name, n, w, h in tqdm(CASES, desc="cpu", leave=False):
         run_once(scenes[name], "cpu")
-        fw, bw = [], []
+        fw, bw, pc = [], [], []
         for _ in range(args.repeats):
-            f, b = run_once(scenes[name], "cpu")
+            f, b, c = run_once(scenes[name], "cpu")
             fw.append(f)
             bw.append(b)
+            pc.append(c)
         best = int(np.argmin(np.add(fw, bw)))
         rows.append(dict(name=name, gaussians=n, width=w, height=h, cpu_forward_ms=1e3 * fw[best],
-                         cpu_backward_ms=1e3 * bw[best], peak_rss_mb=peak_rss_mb()))
+                         cpu_backward_ms=1e3 * bw[best], peak_rss_mb=peak_rss_mb(),
+                         cpu_process_ms=1e3 * min(pc)))
     for row in tqdm(rows, desc="oracle", leave=False):
-        ts = [sum(run_once(scenes[row["name"]], "torch")) for _ in range(args.oracle_repeats)]
-        row["oracle_ms"] = 1e3 * min(ts)
+        ts = [run_once(scenes[row["name"]], "torch") for _ in range(args.oracle_repeats)]
+        row["oracle_ms"] = 1e3 * min(f + b for f, b, _ in ts)
+        row["oracle_process_ms"] = 1e3 * min(c for _, _, c in ts)
         row["ratio"] = row["oracle_ms"] / (row["cpu_forward_ms"] + row["cpu_backward_ms"])
 
     logN = np.log([r["gaussians"] for r in rows])
@@ -127,16 +135,23 @@ def main(argv: list[str] | None = None) -> dict:
     A = np.stack([logN, logP, np.ones_like(logN)], axis=1)
     (exp_n, exp_p, _), *_ = np.linalg.lstsq(A, logT, rcond=None)
 
-    print(f"{'case':<14}{'fwd ms':>9}{'bwd ms':>9}{'cpu ms':>9}{'oracle ms':>11}{'ratio':>8}{'peak MB':>9}")
+    print(f"{'case':<14}{'fwd ms':>9}{'bwd ms':>9}{'cpu ms':>9}{'oracle ms':>11}{'ratio':>8}{'peak MB':>9}"
+          f"{'CPU-time ms':>13}")
     for r in rows:
         print(f"{r['name']:<14}{r['cpu_forward_ms']:>9.1f}{r['cpu_backward_ms']:>9.1f}"
               f"{r['cpu_forward_ms'] + r['cpu_backward_ms']:>9.1f}{r['oracle_ms']:>11.1f}{r['ratio']:>8.1f}"
-              f"{r['peak_rss_mb']:>9.0f}")
+              f"{r['peak_rss_mb']:>9.0f}{r['cpu_process_ms']:>13.1f}")
+    print("(CPU-time: process CPU seconds of the CPU backend's forward + backward, all threads; on a machine shared "
+          "with other work, wall time is inflated and CPU-time / threads estimates the unloaded wall time)")
+    load = os.getloadavg()
+    print(f"load average during the run: {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} on {os.cpu_count()} cores")
     print(f"growth exponent: gaussians {exp_n:.2f}, pixels {exp_p:.2f}")
-    result = {"threads": threads, "cases": rows, "exponent_gaussians": float(exp_n), "exponent_pixels": float(exp_p)}
+    result = {"threads": threads, "cases": rows, "exponent_gaussians": float(exp_n), "exponent_pixels": float(exp_p),
+              "load_average": list(os.getloadavg())}
     if not args.no_compile_time:
         ct = compile_times()
-        print(f"numba kernels: first compile {ct['first_compile_s']:.1f} s, cached start {ct['cached_start_s']:.2f} s")
+        print(f"numba kernels: first compile {ct['first_compile_s']:.1f} s ({ct['first_compile_cpu_s']:.1f} CPU s), "
+              f"cached start {ct['cached_start_s']:.2f} s ({ct['cached_start_cpu_s']:.2f} CPU s)")
         result.update(ct)
     if args.json:
         with open(args.json, "w") as fh:
