@@ -72,7 +72,8 @@ def _read_cameras_json(path: Path) -> dict[str, GroundTruthCamera]:
                                              np.asarray(f["K"], dtype=np.float64)) for f in frames}
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
         raise UserError(f"{path}: not a splatflow cameras.json ({type(e).__name__}: {e}); expected "
-                        f"{{'frames': [{{'name', 'K', 'world_to_cam'}}]}} as written by `splatflow demo-scene`") from None
+                        f"{{'frames': [{{'name', 'K', 'world_to_cam'}}]}} as written by `splatflow demo-scene`"
+                        ) from None
 
 
 def read_strecha_camera(path: Path) -> GroundTruthCamera:

@@ -38,7 +38,8 @@ from splatflow.errors import UserError
 from splatflow.scene.groundtruth import camera_error, read_ground_truth
 from splatflow.scene.schemas import validate_reconstruction
 
-__all__ = ["IMAGE_SUFFIXES", "list_images", "choose_matcher", "first_sift_octave", "SfmResult", "run_sfm", "reconstruction_poses"]
+__all__ = ["IMAGE_SUFFIXES", "list_images", "choose_matcher", "first_sift_octave", "SfmResult", "run_sfm",
+           "reconstruction_poses"]
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".tif", ".tiff", ".bmp"}
 
@@ -255,6 +256,25 @@ def run_sfm(images_dir: str | Path, sparse_dir: str | Path, undistorted_dir: str
             raise UserError(_too_few_message(images_dir, n_reg, len(names), matcher, cfg))
         validate_reconstruction(rec, f"{sparse_dir} (before writing)")
 
+        # Metrics (and the ground-truth comparison, which can fail on a wrong path) before any output is written.
+        metrics = {
+            "images_total": len(names),
+            "images_registered": int(n_reg),
+            "points3d": int(rec.num_points3D()),
+            "mean_reprojection_error_px": float(rec.compute_mean_reprojection_error()),
+            "mean_track_length": float(rec.compute_mean_track_length()),
+            "camera_center_error_rel": None,
+            "camera_rotation_error_deg": None,
+            "seconds": None,
+        }
+        if truth is not None:
+            err = camera_error(reconstruction_poses(rec), truth)
+            metrics["camera_center_error_rel"] = err.center_error_rel
+            metrics["camera_rotation_error_deg"] = err.rotation_error_deg
+            _say(f"camera centres vs ground truth ({err.matched} images): mean error "
+                 f"{100 * err.center_error_rel:.3f}% of the orbit extent, orientation error "
+                 f"{err.rotation_error_deg:.3f} deg")
+
         staged_sparse = tmp / "sparse"
         staged_sparse.mkdir()
         rec.write_binary(str(staged_sparse))
@@ -276,21 +296,5 @@ def run_sfm(images_dir: str | Path, sparse_dir: str | Path, undistorted_dir: str
         _replace_dir(staged_sparse, sparse_dir)
         _replace_dir(staged_undist, undistorted_dir)
 
-    metrics = {
-        "images_total": len(names),
-        "images_registered": int(n_reg),
-        "points3d": int(rec.num_points3D()),
-        "mean_reprojection_error_px": float(rec.compute_mean_reprojection_error()),
-        "mean_track_length": float(rec.compute_mean_track_length()),
-        "camera_center_error_rel": None,
-        "camera_rotation_error_deg": None,
-        "seconds": None,
-    }
-    if truth is not None:
-        err = camera_error(reconstruction_poses(rec), truth)
-        metrics["camera_center_error_rel"] = err.center_error_rel
-        metrics["camera_rotation_error_deg"] = err.rotation_error_deg
-        _say(f"camera centres vs ground truth ({err.matched} images): mean error {100 * err.center_error_rel:.3f}% "
-             f"of the orbit extent, orientation error {err.rotation_error_deg:.3f} deg")
     metrics["seconds"] = round(time.perf_counter() - t_start, 3)
     return SfmResult(metrics=metrics, matcher=matcher, sparse_dir=sparse_dir, undistorted_dir=undistorted_dir)
