@@ -22,9 +22,12 @@ __all__ = ["View", "SceneData", "load_scene", "find_model_dir", "read_split"]
 _PINHOLE_MODELS = ("PINHOLE", "SIMPLE_PINHOLE")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class View:
-    """One registered image: intrinsics ``K`` in pixels (COLMAP: pixel centres at +0.5) and pose world->camera."""
+    """One registered image: intrinsics ``K`` in pixels (COLMAP: pixel centres at +0.5) and pose world->camera.
+
+    Compared and hashed by identity (``eq=False``): field-wise equality is ambiguous for numpy arrays.
+    """
 
     name: str
     image_path: Path
