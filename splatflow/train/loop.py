@@ -194,9 +194,11 @@ class Trainer:
                                              lr=s.means_lr.lr(step))
         elif self.strategy is not None:
             self.strategy.step_post_backward(self.params, self.optimizers, self.strategy_state, step, info)
-        for k in ("means", "opacities", "scales"):
-            if not bool(torch.isfinite(self.params[k]).all()):
-                raise FloatingPointError(f"parameter '{k}' became NaN/Inf at step {step}")
+        with torch.no_grad():  # one scalar: any NaN/Inf entry makes its group's sum non-finite
+            sums = {k: float(self.params[k].sum()) for k in ("means", "opacities", "scales")}
+        bad = [k for k, v in sums.items() if not math.isfinite(v)]
+        if bad:
+            raise FloatingPointError(f"parameters {', '.join(bad)} became NaN/Inf at step {step}")
         ev = getattr(self.strategy, "last_event", None)
         if ev:
             self._log_event(ev)
@@ -344,6 +346,7 @@ class Trainer:
                     t_last = time.perf_counter()  # validation is not training time
                 if self.step % cfg.log_every == 0 or self.step == cfg.max_steps or reason:
                     self._rows.append(row)
+                    self._flush_csv()  # live: plots/S/train.csv can be watched while training runs
                     if self.step_logger is not None:
                         self.step_logger.log(self.step, {k: float(row[k]) for k in
                                                          ("loss", "l1", "ssim", "psnr", "gaussians", "sigma")})
