@@ -1,0 +1,115 @@
+"""Real servers: a Prefect server and an MLflow server on loopback (free ports), the ``reconstruct/scene``
+deployment on a process work pool, two workers, and a two-scene batch that must spread over both workers.
+
+The scenes use the two-stage toy DVC project of tests/test_tracking.py (real DVC, real tracking, trivial work), so
+the test measures orchestration rather than reconstruction (tests/test_flows.py runs the real stages).  Everything
+started is stopped at the end, also on failure.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from splatflow.orchestrate import servers
+from tests.test_tracking import make_toy_project
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture()
+def stack(tmp_path, monkeypatch):
+    started: list[servers.Server] = []
+    pport, mport = servers.free_port(), servers.free_port()
+    try:
+        # scheduler loop shortened so the served cron deployment gets its upcoming runs within seconds
+        pf = servers.start_prefect(pport, home=tmp_path / "prefect",
+                                   extra_env={"PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2"})
+        started.append(pf)
+        ml = servers.start_mlflow(mport, root=tmp_path, backend_uri=f"sqlite:///{tmp_path / 'mlflow-server.db'}",
+                                  artifacts_dir=tmp_path / "artifacts", log_dir=tmp_path)
+        started.append(ml)
+        pf.wait_healthy(300)
+        ml.wait_healthy(300)
+        api = f"{pf.url}/api"
+        monkeypatch.setenv("PREFECT_API_URL", api)
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", ml.url)
+        monkeypatch.setenv("SPLATFLOW_TRACKING", "on")
+        monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+        yield {"prefect": pf, "mlflow": ml, "api": api, "started": started, "tmp": tmp_path}
+    finally:
+        for s in reversed(started):
+            s.stop()
+        assert not any(s.alive() for s in started)
+
+
+def test_two_scene_batch_on_two_workers(stack, tmp_path):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName, FlowRunFilter
+
+    from flows.batch import batch, child_runs
+    from flows.deployments import deploy_scene, ensure_pool, served_deployments
+    from splatflow import tracking
+
+    toy = make_toy_project(tmp_path / "toy", scenes=("a", "b"))
+    pool = "splatflow-test"
+    ensure_pool(pool)
+    deploy_scene(toy, pool)
+    worker_env = {"MLFLOW_TRACKING_URI": stack["mlflow"].url, "SPLATFLOW_TRACKING": "on"}
+    workers = [servers.start_worker(pool, api_url=stack["api"], name=f"w{i}", limit=1, log_dir=tmp_path,
+                                    cwd=toy, extra_env=worker_env) for i in range(2)]
+    stack["started"].extend(workers)
+
+    # the served deployments register with their schedule; the server's scheduler books the upcoming nightly runs
+    for dep in served_deployments(toy, cron="0 3 * * *"):
+        dep.apply()
+
+    results = batch(scenes=["a", "b"], max_concurrent=2, repo=str(toy))
+    assert sorted(r["job"] for r in results) == ["a", "b"]
+    assert all(r["state"] == "COMPLETED" for r in results)
+
+    # spread over both workers: each worker ran exactly one of the two flow runs (a flow run's own log lines,
+    # "View at .../flow-run/<id>", appear in the log of the worker that ran it; both workers may *try* to submit
+    # the same run, and the server aborts the second submission)
+    ids = [r["flow_run_id"] for r in results]
+    per_worker = [[i for i in ids if f"View at {stack['prefect'].url}/runs/flow-run/{i}" in w.log.read_text(errors="replace")]
+                  for w in workers]
+    assert sorted(len(x) for x in per_worker) == [1, 1], per_worker
+
+    cl = tracking.client()
+    exp = tracking.experiment_id(cl)
+    parents = cl.search_runs([exp], filter_string="tags.`splatflow.kind` = 'batch'")
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    children = child_runs(cl, parents[0].info.run_id)
+    assert sorted(c.data.tags["splatflow.scene"] for c in children) == ["a", "b"]
+    for c in children:
+        scene = c.data.tags["splatflow.scene"]
+        assert c.info.status == "FINISHED"
+        assert c.data.metrics["two.psnr"] == pytest.approx(20.02)
+        assert c.data.tags["splatflow.workspace"] == "worktree"
+        arts = {a.path for a in cl.list_artifacts(c.info.run_id, f"out/{scene}")}
+        assert arts == {f"out/{scene}/one.ply", f"out/{scene}/two.ply"}
+    assert "batch_summary.csv" in {a.path for a in cl.list_artifacts(parents[0].info.run_id)}
+    # worktrees are gone; the main checkout's DVC cache holds the results
+    assert not any((toy / ".dvc" / "tmp" / "splatflow" / "wt").iterdir())
+    assert any((toy / ".dvc" / "cache").rglob("*"))
+
+    with get_client(sync_client=True) as client:
+        deadline = time.monotonic() + 60
+        while True:
+            runs = client.read_flow_runs(deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["nightly"])),
+                                         flow_run_filter=FlowRunFilter())
+            scheduled = [r for r in runs if r.state and r.state.is_scheduled()]
+            if scheduled or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+    assert scheduled, "the cron deployment got no scheduled runs"
+    assert all(r.expected_start_time.hour == 3 and r.expected_start_time.minute == 0 for r in scheduled)
+
+    for w in workers:
+        w.stop()
+    assert not any(w.alive() for w in workers)
+    assert os.path.exists(Path(stack["prefect"].log))
