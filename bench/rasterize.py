@@ -134,6 +134,8 @@ def main(argv: list[str] | None = None) -> dict:
     logT = np.log([r["cpu_forward_ms"] + r["cpu_backward_ms"] for r in rows])
     A = np.stack([logN, logP, np.ones_like(logN)], axis=1)
     (exp_n, exp_p, _), *_ = np.linalg.lstsq(A, logT, rcond=None)
+    logC = np.log([r["cpu_process_ms"] for r in rows])
+    (exp_n_cpu, exp_p_cpu, _), *_ = np.linalg.lstsq(A, logC, rcond=None)
 
     print(f"{'case':<14}{'fwd ms':>9}{'bwd ms':>9}{'cpu ms':>9}{'oracle ms':>11}{'ratio':>8}{'peak MB':>9}"
           f"{'CPU-time ms':>13}")
@@ -145,8 +147,10 @@ def main(argv: list[str] | None = None) -> dict:
           "with other work, wall time is inflated and CPU-time / threads estimates the unloaded wall time)")
     load = os.getloadavg()
     print(f"load average during the run: {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} on {os.cpu_count()} cores")
-    print(f"growth exponent: gaussians {exp_n:.2f}, pixels {exp_p:.2f}")
+    print(f"growth exponent (wall time): gaussians {exp_n:.2f}, pixels {exp_p:.2f};"
+          f"  (CPU time): gaussians {exp_n_cpu:.2f}, pixels {exp_p_cpu:.2f}")
     result = {"threads": threads, "cases": rows, "exponent_gaussians": float(exp_n), "exponent_pixels": float(exp_p),
+              "exponent_gaussians_cpu_time": float(exp_n_cpu), "exponent_pixels_cpu_time": float(exp_p_cpu),
               "load_average": list(os.getloadavg())}
     if not args.no_compile_time:
         ct = compile_times()

@@ -13,9 +13,9 @@ radius rectangle. The radius is opacity aware (see :mod:`.projection`), so every
 ``alpha < 1/255`` and gsplat would skip it too; the tests check this against the dense oracle, which evaluates
 every pixel of every listed tile.
 
-All per-pixel state (transmittance, colour sums) is kept in float64 whatever the input dtype; float64 inputs give
-a float64 kernel (used by ``torch.autograd.gradcheck``). The one exception is ``exp(-sigma)``, evaluated in float32
-(as gsplat does with ``__expf``) for float32 inputs: it is the most frequent operation and float32 ``expf`` is about twice as fast.
+The kernels are always called with float64 arrays (``cpu.py`` converts), so numba compiles one specialisation,
+and all per-pixel state (transmittance, colour sums) is float64. The one exception is ``exp(-sigma)``, evaluated in float32
+(as gsplat does with ``__expf``) when the caller's tensors are float32: it is the most frequent operation and float32 ``expf`` is about twice as fast.
 """
 
 from __future__ import annotations

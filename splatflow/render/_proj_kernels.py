@@ -3,7 +3,7 @@
 Same math as :mod:`.projection` (which the torch oracle differentiates with autograd; the tests compare the two).
 Forward runs in parallel over Gaussians and loops over cameras; backward recomputes the forward quantities of one
 Gaussian and accumulates its gradient over cameras in registers, so it is race free without any reduction.
-All arithmetic is float64; results are written in the input dtype.
+All arithmetic is float64 (the caller passes float64 arrays, so one specialisation is compiled).
 
 Backward chain for one (camera, Gaussian) pair, with G = dL/d(conic) as a symmetric matrix:
 conic = inverse(S2)            -> dL/dS2 = -Q G Q (Q = conic matrix)

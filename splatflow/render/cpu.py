@@ -33,19 +33,22 @@ class _RasterizeTiles(torch.autograd.Function):
         dt = colors.dtype
         G = C * N
         tiles_x, tiles_y = tile_grid(width, height, K.TILE)
-        m2 = _np(means2d.reshape(G, 2), dt)
-        con = _np(conics.reshape(G, 3), dt)
-        col = _np(colors.reshape(G, D), dt)
-        op = _np(opacities.reshape(G), dt)
+        # The kernels always run on float64 arrays (one compiled specialisation instead of two: numba compile time
+        # is the larger cost in tests); float32 inputs only switch exp() to float32 (``fast_exp``).
+        f64 = torch.float64
+        m2 = _np(means2d.reshape(G, 2), f64)
+        con = _np(conics.reshape(G, 3), f64)
+        col = _np(colors.reshape(G, D), f64)
+        op = _np(opacities.reshape(G), f64)
         rad = _np(radii.reshape(G, 2), torch.int32)
         order = np.argsort(_np(depths.reshape(G)), kind="stable")
-        bg = _np(backgrounds, dt) if backgrounds is not None else np.zeros((C, D), col.dtype)
+        bg = _np(backgrounds, f64) if backgrounds is not None else np.zeros((C, D), np.float64)
         offsets, ids = K.bin_tiles(m2, rad, order, N, C, tiles_x, tiles_y)
         out, T_final, last, isect_w, isect_hits = K.rasterize_fwd(
             offsets, ids, m2, con, col, op, rad, bg, C, width, height, tiles_x, tiles_y, bool(want_stats),
             dt == torch.float32, numba.get_num_threads(),
         )
-        img = torch.from_numpy(out)  # [C, H, W, D]
+        img = torch.from_numpy(out).to(dt)  # [C, H, W, D]
         alpha = (1.0 - torch.from_numpy(T_final)).to(dt)[..., None]  # [C, H, W, 1]
         if want_stats:
             w, h = K.reduce_stats(ids, isect_w, isect_hits, G)
@@ -59,6 +62,7 @@ class _RasterizeTiles(torch.autograd.Function):
         ctx.arrays = (offsets, ids, m2, con, col, op, rad, bg, T_final, last)
         ctx.shape = (C, N, D, width, height, tiles_x, tiles_y)
         ctx.absgrad = absgrad
+        ctx.dtype = dt
         ctx.has_bg = backgrounds is not None
         return img, alpha, hits, wsum
 
@@ -67,14 +71,15 @@ class _RasterizeTiles(torch.autograd.Function):
         means2d, backgrounds = ctx.saved_tensors
         offsets, ids, m2, con, col, op, rad, bg, T_final, last = ctx.arrays
         C, N, D, width, height, tiles_x, tiles_y = ctx.shape
-        dt = torch.from_numpy(col[:0]).dtype
+        dt = ctx.dtype
         if v_img is None:
             v_img = torch.zeros(C, height, width, D, dtype=dt)
         if v_alpha is None:
             v_alpha = torch.zeros(C, height, width, 1, dtype=dt)
         grads = K.rasterize_bwd(
             offsets, ids, m2, con, col, op, rad, bg, T_final, last,
-            _np(v_img, dt), _np(v_alpha[..., 0], dt), C, width, height, tiles_x, tiles_y, dt == torch.float32,
+            _np(v_img, torch.float64), _np(v_alpha[..., 0], torch.float64), C, width, height, tiles_x, tiles_y,
+            dt == torch.float32,
             numba.get_num_threads(),
         )
         g = torch.from_numpy(grads).to(dt).reshape(C, N, 8 + D)  # [C, N, 8 + D]
@@ -129,13 +134,14 @@ class _ProjectCPU(torch.autograd.Function):
         from .projection import camera_centers
 
         dt = means.dtype
+        f64 = torch.float64  # kernels run on float64 (one compiled specialisation; see _RasterizeTiles)
         N = means.shape[0]
         vm = _np(viewmats, torch.float64)
         ks = _np(Ks, torch.float64)
         campos = _np(camera_centers(viewmats.detach().to(torch.float64)))
-        sh_np = _np(sh, dt) if sh is not None else np.zeros((N, 1, 3), _np(means[:0]).dtype)
+        sh_np = _np(sh, f64) if sh is not None else np.zeros((N, 1, 3), np.float64)
         deg = int(sh_degree) if sh is not None else -1
-        args = (_np(means, dt), _np(quats, dt), _np(scales, dt), _np(opacities, dt), sh_np, deg, vm, ks, campos,
+        args = (_np(means, f64), _np(quats, f64), _np(scales, f64), _np(opacities, f64), sh_np, deg, vm, ks, campos,
                 int(width), int(height))
         m2, con, dep, op, col, radii = P.project_fwd(*args, float(near_plane), float(far_plane), float(eps2d),
                                                      bool(antialiased), float(radius_clip))
@@ -144,8 +150,9 @@ class _ProjectCPU(torch.autograd.Function):
         ctx.args = args
         ctx.extra = (float(eps2d), bool(antialiased), radii)
         ctx.has_sh = sh is not None
-        return (torch.from_numpy(m2), torch.from_numpy(con), torch.from_numpy(dep), torch.from_numpy(op),
-                torch.from_numpy(col), radii_t)
+        ctx.dtype = dt
+        return (torch.from_numpy(m2).to(dt), torch.from_numpy(con).to(dt), torch.from_numpy(dep).to(dt),
+                torch.from_numpy(op).to(dt), torch.from_numpy(col).to(dt), radii_t)
 
     @staticmethod
     def backward(ctx, v_m2, v_con, v_dep, v_op, v_col, _v_radii):
@@ -153,11 +160,11 @@ class _ProjectCPU(torch.autograd.Function):
 
         args = ctx.args
         eps2d, antialiased, radii = ctx.extra
-        dt = torch.from_numpy(args[0][:0]).dtype
+        dt = ctx.dtype
         C, N = radii.shape[0], radii.shape[1]
 
         def g(t, shape):
-            return _np(t, dt) if t is not None else np.zeros(shape, args[0].dtype)
+            return _np(t, torch.float64) if t is not None else np.zeros(shape, np.float64)
 
         gm, gq, gs, go, gsh = P.project_bwd(
             *args, eps2d, antialiased, radii,
