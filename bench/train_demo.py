@@ -88,6 +88,8 @@ def main(argv=None):
     ap.add_argument("--max-steps", type=int, default=None, help="override train.max_steps (default: params.yaml)")
     ap.add_argument("--set", action="append", default=[],
                     help="override a train param for experiments, e.g. --set densify.grow_grad2d=0.0001")
+    ap.add_argument("--eval-only", type=Path, metavar="CKPT",
+                    help="only measure test PSNR of a checkpoint (e.g. one saved on SIGTERM) and print its step")
     args = ap.parse_args(argv)
 
     from splatflow.config import load_params, params_from_dict
@@ -99,6 +101,16 @@ def main(argv=None):
     args.work.mkdir(parents=True, exist_ok=True)
     und, split_json, sfm = prepare(args.work, args.threads)
     scene = load_scene(und, split_json)
+    if args.eval_only:
+        from splatflow.model import load_checkpoint, load_splats
+
+        splats, deg = load_splats(args.eval_only)
+        ck = load_checkpoint(args.eval_only)
+        psnrs = test_psnr(splats, deg, scene.test_views)
+        print(f"{args.eval_only}: step {ck['step']} ({ck.get('stopped') or 'periodic'}), {len(splats['means'])} "
+              f"Gaussians, SH degree {deg}, training {ck.get('elapsed_seconds', 0):.0f} s: test PSNR "
+              f"{np.mean(psnrs):.2f} dB (per view: {', '.join(f'{p:.2f}' for p in psnrs)})")
+        return {"psnr_test": float(np.mean(psnrs)), "steps": int(ck["step"])}
     cfg = load_params(ROOT / "params.yaml").train
     if args.max_steps:
         cfg = replace(cfg, max_steps=args.max_steps)

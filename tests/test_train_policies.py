@@ -40,7 +40,7 @@ def test_phases_by_absolute_step_and_validation():
 
 
 def test_blur_sigma_is_linear_to_zero_and_sh_degree_steps():
-    s = Schedules.from_config(TrainConfig(max_steps=1000), 1.0)  # sigma 2.4 -> 0 at 50%
+    s = Schedules.from_config(TrainConfig(max_steps=1000, sh_degree_interval=1000), 1.0)  # sigma 2.4 -> 0 at 50%
     assert s.blur.sigma(0) == pytest.approx(2.4)
     assert s.blur.sigma(250) == pytest.approx(1.2)
     assert s.blur.sigma(499) == pytest.approx(2.4 / 500)
