@@ -308,7 +308,7 @@ class PruneConfig:
     finetune_steps: int = 300  # recovery steps after each phase (no densification)
     max_psnr_drop_db: float = 1.0  # early stop: validation PSNR below (before - this) rejects the phase
     val_views: int = 4  # evenly spaced TRAINING views for the validation PSNR
-    val_factor: float = 0.5  # resolution factor of the validation renders
+    val_factor: float = 1.0  # resolution factor of the validation renders (full: pruning loses fine detail first)
     score_factor: float = 1.0  # resolution factor of the renders that measure significance
     volume_beta: float = 0.1
     volume_ref_quantile: float = 0.1
