@@ -6,14 +6,14 @@ others). They cost memory, disk and render time for nothing. LightGaussian ranks
 contributes to the training images and drops the least significant ones, then briefly fine-tunes the rest
 ("recovery") so they absorb what the removed ones did.
 
-Global significance (paper Eq. 2): ``GS_j = sum_i 1(G(X_j), r_i) * sigma_j * gamma(Sigma_j)`` over all rays
+Global significance (paper §3.2): ``GS_j = sum_i 1(G(X_j), r_i) * sigma_j * gamma(Sigma_j)`` over all rays
 ``r_i`` of all training views (``M * H * W`` pixels). The indicator times opacity is, in the rasterizer, the
 compositing weight of Gaussian ``j`` at pixel ``i``; like the authors' released rasterizer we use the full weight
 ``alpha_ij * T_ij`` (alpha times the transmittance in front of it), so a Gaussian hidden behind an opaque surface
 scores ~0 even where it overlaps the pixel. Our rasterizer returns exactly this per-view sum as
 ``info["weight_sum"] [C, N]`` (``return_stats=True``; docs/CONTRACTS.md "Rendering").
 
-Volume term (paper Eq. 3): ``gamma(Sigma_j) = V_norm ** beta``, ``V_norm = min(max(V_j / V_max90, 0), 1)`` with
+Volume term (same section): ``gamma(Sigma_j) = V_norm ** beta``, ``V_norm = min(max(V_j / V_max90, 0), 1)`` with
 ``V_j`` the Gaussian's volume (product of its three scales; the 4/3 pi factor cancels in the ratio), ``V_max90``
 the volume 90% of the Gaussians exceed, and ``beta = 0.1``. It keeps a large but faint background Gaussian from
 losing against a tiny one that happens to be sharp; with the clamp it only down-weights the smallest Gaussians.
