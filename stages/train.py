@@ -54,6 +54,7 @@ def run(params: Params, paths: ScenePaths) -> dict:
         "peak_rss_mb": round(peak_rss_mb, 1),
         "val_psnr": None if res.val_psnr is None else round(res.val_psnr, 4),
         "refine_events": len(refine),
+        "resumed_from": res.resumed_from,
     }
 
 

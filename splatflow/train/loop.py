@@ -72,6 +72,7 @@ class TrainResult:
     val_psnr: float | None
     events: list[dict] = field(default_factory=list)
     initial_psnr: float | None = None
+    resumed_from: int | None = None  # step of the unfinished checkpoint this run continued, if any
 
 
 class Trainer:
@@ -241,6 +242,7 @@ class Trainer:
             "finished": finished,
             "stopped": stopped,
             "config_hash": config_hash(self.cfg),
+            "seed": self.seed,
             "scene_scale": self.scene_scale,
             "initial_count": self.initial_count,
             "optimizers": {k: o.state_dict() for k, o in self.optimizers.items()},
@@ -277,8 +279,11 @@ class Trainer:
             ckpt = load_checkpoint(self.ckpt_path)
         except UserError:
             return False
-        if ckpt.get("finished", True) or ckpt.get("config_hash") != config_hash(self.cfg) or "optimizers" not in ckpt:
+        if (ckpt.get("finished", True) or ckpt.get("config_hash") != config_hash(self.cfg)
+                or ckpt.get("seed") != self.seed or "optimizers" not in ckpt):
+            log.info("%s: not resuming (finished, or written with other train params/seed)", self.ckpt_path)
             return False
+        log.info("%s: resuming from step %d", self.ckpt_path, ckpt["step"])
         self.load_state_dict(ckpt)
         return True
 
@@ -395,7 +400,8 @@ class Trainer:
         return TrainResult(splats=splats, sh_degree=self.sched.sh.degree(max(self.step - 1, 0)), steps=self.step,
                            stopped=stopped, train_seconds=train_s,
                            it_per_s=done / max(self.elapsed_s - t_start, 1e-9) if done else 0.0,
-                           val_psnr=self.val_psnr, events=list(self.events), initial_psnr=initial_psnr)
+                           val_psnr=self.val_psnr, events=list(self.events), initial_psnr=initial_psnr,
+                           resumed_from=self.resumed_from)
 
     def _install_sigterm(self):
         if threading.current_thread() is not threading.main_thread():
