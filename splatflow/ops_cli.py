@@ -40,6 +40,8 @@ def _use_local_prefect_server() -> None:
     """Without ``PREFECT_API_URL``, use a Prefect server on 127.0.0.1:4200 when one answers (``splatflow ui``):
     the runs then show in its UI, and no 6-9 s ephemeral server is started per process."""
     _quiet_env()
+    # a temporary server on a busy machine can take longer than Prefect's 20 s default to come up
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     if os.environ.get("PREFECT_API_URL"):
         return
     import urllib.request

@@ -261,3 +261,21 @@ def test_tracking_uri_defaults_to_sqlite_at_repo_root(toy, monkeypatch):
     assert tracking.repo_root(exp_tmp) == toy.resolve()
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5999")
     assert tracking.tracking_uri(toy) == "http://127.0.0.1:5999"
+
+
+def test_rerun_tolerance_rules():
+    from splatflow.orchestrate.rerun import diff_metrics
+
+    orig = {"evaluate.psnr": 25.0, "sfm.camera_rotation_error_deg": 0.06, "train.train_seconds": 100.0,
+            "train.peak_rss_mb": 900.0, "train/loss": 0.1}
+    same = {"evaluate.psnr": 25.2, "sfm.camera_rotation_error_deg": 0.09, "train.train_seconds": 150.0,
+            "train.peak_rss_mb": 990.0, "train/loss": 0.5}
+    diffs = {d.key: d for d in diff_metrics(orig, same)}
+    assert "train/loss" not in diffs  # live curves are not final metrics
+    assert all(d.ok for d in diffs.values())
+    assert not diffs["train.train_seconds"].judged and not diffs["train.peak_rss_mb"].judged
+    worse = dict(same, **{"evaluate.psnr": 24.0, "sfm.camera_rotation_error_deg": 0.2})
+    bad = {d.key for d in diff_metrics(orig, worse) if not d.ok}
+    assert bad == {"evaluate.psnr", "sfm.camera_rotation_error_deg"}
+    missing = {d.key: d for d in diff_metrics(orig, {"evaluate.psnr": 25.0})}
+    assert not missing["sfm.camera_rotation_error_deg"].ok  # a metric that vanished is a difference
