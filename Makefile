@@ -8,7 +8,7 @@ export MLFLOW_DISABLE_TELEMETRY := true
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 
-.PHONY: venv demo test repro clean-outputs
+.PHONY: venv demo test repro ui serve
 
 # torch==2.13.0 (CPU) is pinned in pyproject.toml; gsplat goes in without its deps, which would pull another torch.
 $(VENV)/.installed: pyproject.toml
@@ -31,3 +31,9 @@ repro: venv
 
 test: venv
 	$(PY) -m pytest -q
+
+ui: venv
+	$(VENV)/bin/splatflow ui
+
+serve: venv
+	$(VENV)/bin/splatflow serve --workers 2
