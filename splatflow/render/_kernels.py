@@ -14,7 +14,9 @@ radius rectangle. The radius is opacity aware (see :mod:`.projection`), so every
 every pixel of every listed tile.
 
 The kernels are always called with float64 arrays (``cpu.py`` converts), so numba compiles one specialisation,
-and all per-pixel state (transmittance, colour sums) is float64. The one exception is ``exp(-sigma)``, evaluated in float32
+and all per-pixel state (transmittance, colour sums) is float64. The two compositing kernels use ``fastmath``
+(fused multiply-add, reassociation; no NaN/inf reach them): 10% less CPU time at 10K Gaussians, outputs equal to
+1e-15. The one exception is ``exp(-sigma)``, evaluated in float32
 (as gsplat does with ``__expf``) when the caller's tensors are float32: it is the most frequent operation and float32 ``expf`` is about twice as fast.
 """
 
@@ -137,7 +139,7 @@ def _row_span(mx, dy, ca, cb, cc, s_max, xa, xb):
     return lo, hi
 
 
-@nb.njit(parallel=True, cache=True)
+@nb.njit(parallel=True, cache=True, fastmath=True)
 def rasterize_fwd(offsets, ids, means2d, conics, colors, opacities, radii, backgrounds,
                   n_cams, width, height, tiles_x, tiles_y, want_stats, fast_exp, n_par):
     """Front-to-back compositing per tile.
@@ -244,7 +246,7 @@ def reduce_stats(ids, isect_w, isect_hits, G):
     return wsum, hits
 
 
-@nb.njit(parallel=True, cache=True)
+@nb.njit(parallel=True, cache=True, fastmath=True)
 def rasterize_bwd(offsets, ids, means2d, conics, colors, opacities, radii, backgrounds, T_final, last_ids,
                   v_out, v_alpha_out, n_cams, width, height, tiles_x, tiles_y, fast_exp, n_par):
     """Analytic backward, per tile, back to front (the adjoint of :func:`rasterize_fwd`).
