@@ -48,8 +48,8 @@ def _start_numba_pool() -> None:
 def warmup() -> float:
     """Load (or, first time, compile) every CPU-backend kernel on a tiny scene; return the seconds it took.
 
-    The first call after a code change compiles the numba kernels (tens of seconds); later processes load them
-    from numba's on-disk cache (``cache=True``) in well under a second. ``bench/rasterize.py`` reports both.
+    The first call after a code change compiles the numba kernels (about a minute of CPU); later processes load
+    them from numba's on-disk cache (``cache=True``) in about a second. ``bench/rasterize.py`` reports both.
     """
     import torch
 
