@@ -38,7 +38,10 @@ def make_project(root: Path, overrides: dict | None = None, scene: str = "tiny",
     """Copy the project's code and config to ``root``, point base.scenes at a generated tiny scene, git+dvc init."""
     root.mkdir(parents=True, exist_ok=True)
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for d in ("splatflow", "stages", "flows"):
+    # The library is linked, not copied: `python -m stages.x` imports splatflow from the project folder, and numba
+    # keeps its compiled kernels next to their source, so a copy would recompile them (~70 CPU s) in every project.
+    (root / "splatflow").symlink_to(REPO / "splatflow", target_is_directory=True)
+    for d in ("stages", "flows"):
         if (REPO / d).is_dir():
             shutil.copytree(REPO / d, root / d, ignore=ignore, dirs_exist_ok=True)
     for f in ("dvc.yaml", ".gitignore", ".dvcignore"):
