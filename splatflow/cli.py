@@ -155,17 +155,9 @@ def run(
         typer.echo(f"\n{s}: metrics in metrics/{s}/ ; `dvc metrics show` to see them")
 
 
-def _register_ops() -> None:
-    from splatflow import ops_cli
+from splatflow import ops_cli  # noqa: E402  (servers, flows, runs: registered after the core commands)
 
-    ops_cli.register(app)
-
-
-try:
-    _register_ops()
-except ImportError as e:  # orchestration commands need prefect/mlflow; the core CLI must still work without them
-    if "splatflow.ops_cli" not in str(e) and "ops_cli" not in str(e):
-        raise
+ops_cli.register(app)
 
 
 if __name__ == "__main__":
