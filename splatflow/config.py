@@ -194,7 +194,7 @@ class DensifyConfig:
     prune_scale3d: float = 0.1
     absgrad: bool = False
     max_gaussians: int = 1_000_000  # hard cap on the count
-    budget_multiplier: float = 8.0  # cap = min(max_gaussians, budget_multiplier * initial count)
+    budget_multiplier: float = 15.0  # cap = min(max_gaussians, budget_multiplier * initial count)
     mcmc_noise_lr: float = 5e5
     mcmc_min_opacity: float = 0.005
     mcmc_scale_reg: float = 0.01
@@ -251,7 +251,7 @@ class EarlyStopConfig:
 class TrainConfig:
     """Training (issue 4): every behaviour of the loop is one of these named settings."""
 
-    max_steps: int = 3000
+    max_steps: int = 1500
     sh_degree: int = 3  # highest SH degree (its coefficients are allocated from the start)
     sh_degree_interval: int = 500  # active SH degree rises by one every this many steps
     init_opacity: float = 0.1
