@@ -17,7 +17,7 @@ import pytest
 from splatflow.orchestrate import servers
 from tests.test_tracking import make_toy_project
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 
 @pytest.fixture()
@@ -39,7 +39,12 @@ def stack(tmp_path, monkeypatch):
         monkeypatch.setenv("MLFLOW_TRACKING_URI", ml.url)
         monkeypatch.setenv("SPLATFLOW_TRACKING", "on")
         monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
-        yield {"prefect": pf, "mlflow": ml, "api": api, "started": started, "tmp": tmp_path}
+        # Prefect reads its settings from the environment once, at import: when an earlier test already imported
+        # it, the env var alone is not seen and the client would silently start an ephemeral server instead.
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        with temporary_settings(updates={PREFECT_API_URL: api}):
+            yield {"prefect": pf, "mlflow": ml, "api": api, "started": started, "tmp": tmp_path}
     finally:
         for s in reversed(started):
             s.stop()
