@@ -277,5 +277,8 @@ def test_rerun_tolerance_rules():
     worse = dict(same, **{"evaluate.psnr": 24.0, "sfm.camera_rotation_error_deg": 0.2})
     bad = {d.key for d in diff_metrics(orig, worse) if not d.ok}
     assert bad == {"evaluate.psnr", "sfm.camera_rotation_error_deg"}
+    q = "export.files.splat.max_errors.quat"
+    assert all(d.ok for d in diff_metrics({q: 2.18e-5}, {q: 2.34e-5}))  # quantisation residue: absolute tolerance
+    assert not all(d.ok for d in diff_metrics({q: 2.18e-5}, {q: 5e-3}))
     missing = {d.key: d for d in diff_metrics(orig, {"evaluate.psnr": 25.0})}
     assert not missing["sfm.camera_rotation_error_deg"].ok  # a metric that vanished is a difference
