@@ -61,13 +61,18 @@ def make_project(root: Path, overrides: dict | None = None, scene: str = "tiny",
         from splatflow.scene.synthetic import write_scene
 
         write_scene(root / raw, progress=False, **(scene_options or TINY_SCENE))
+    return init_repo(root, "test project")
+
+
+def init_repo(root: Path, message: str) -> Path:
+    """git + DVC init ``root`` and commit everything in it (analytics off, a local identity for the commit)."""
     run(["git", "init", "-q"], root)
     run(["git", "config", "user.email", "test@splatflow"], root)
     run(["git", "config", "user.name", "splatflow test"], root)
     run([str(BIN / "dvc"), "init", "-q"], root)
     run([str(BIN / "dvc"), "config", "core.analytics", "false"], root)
     run(["git", "add", "-A"], root)
-    run(["git", "commit", "-qm", "test project"], root)
+    run(["git", "commit", "-qm", message], root)
     return root
 
 

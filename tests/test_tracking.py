@@ -20,7 +20,7 @@ import pytest
 
 from splatflow import tracking
 from splatflow.orchestrate import dvcrun
-from tests._project import BIN, run
+from tests._project import BIN, init_repo, run
 
 FAKE_STAGE = textwrap.dedent('''
     """A stand-in stage: params -> step metrics -> an output file -> final metrics, inside stage_tracking."""
@@ -97,14 +97,7 @@ def make_toy_project(root: Path, scenes=("a",), steps_one: int = 3) -> Path:
 
         shutil.copytree(repo / "flows", root / "flows", ignore=shutil.ignore_patterns("__pycache__"),
                         dirs_exist_ok=True)
-    run(["git", "init", "-q"], root)
-    run(["git", "config", "user.email", "test@splatflow"], root)
-    run(["git", "config", "user.name", "splatflow test"], root)
-    run([str(BIN / "dvc"), "init", "-q"], root)
-    run([str(BIN / "dvc"), "config", "core.analytics", "false"], root)
-    run(["git", "add", "-A"], root)
-    run(["git", "commit", "-qm", "toy project"], root)
-    return root
+    return init_repo(root, "toy project")
 
 
 def toy_env(root: Path, **extra) -> dict:
