@@ -32,15 +32,6 @@ def _root() -> Path:
     return root
 
 
-def _venv_env(root: Path) -> dict:
-    """Environment for DVC: the project venv first on PATH, because dvc.yaml's `python` is the first on PATH."""
-    env = os.environ.copy()
-    bindir = Path(sys.executable).parent
-    env["PATH"] = f"{bindir}{os.pathsep}{env.get('PATH', '')}"
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    return env
-
-
 def _dvc() -> str:
     exe = Path(sys.executable).parent / "dvc"
     return str(exe) if exe.exists() else (shutil.which("dvc") or "dvc")
@@ -123,14 +114,6 @@ def add_scene(
     typer.echo(f"added scene {name!r} -> {entry['source']}; run it with `splatflow run {name}`")
 
 
-def scene_stage_names(root: Path, scene: str) -> list[str]:
-    """``<stage>@<scene>`` for every stage in dvc.yaml, in file order."""
-    from ruamel.yaml import YAML
-
-    stages = YAML(typ="safe").load((root / "dvc.yaml").read_text())["stages"]
-    return [f"{name}@{scene}" if "foreach" in spec else name for name, spec in stages.items()]
-
-
 @app.command("run")
 def run(
     scene: Optional[str] = typer.Argument(None, help="scene to run (default: every scene in params.yaml)"),
@@ -145,10 +128,12 @@ def run(
             params.scene(s)
     except ConfigError as e:
         _fail(str(e))
-    targets = [t for s in scenes for t in scene_stage_names(root, s)]
+    from splatflow.orchestrate.dvcrun import stage_env, stage_order
+
+    targets = [t for s in scenes for t in stage_order(root, s)]
     cmd = [_dvc(), "repro", *targets] + (["--force"] if force else [])
     typer.echo("$ " + " ".join(["dvc", *cmd[1:]]))
-    rc = subprocess.call(cmd, cwd=root, env=_venv_env(root))
+    rc = subprocess.call(cmd, cwd=root, env=stage_env())
     if rc != 0:
         raise typer.Exit(rc)
     for s in scenes:

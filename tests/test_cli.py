@@ -4,7 +4,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from splatflow.cli import app, scene_stage_names
+from splatflow.cli import app
+from splatflow.orchestrate.dvcrun import stage_order
 from splatflow.config import load_params
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,8 +51,8 @@ def test_add_scene_video_and_bad_inputs(project):
     assert "notes" not in load_params(project / "params.yaml").base.scenes
 
 
-def test_run_targets_follow_dvc_yaml_order(project):
-    names = scene_stage_names(project, "demo")
+def test_run_targets_follow_dvc_yaml_order():
+    names = stage_order(REPO, "demo")  # what `splatflow run demo` passes to dvc repro
     assert names[:3] == ["ingest@demo", "sfm@demo", "split@demo"]
     assert names[-1] == "export@demo"
 
