@@ -69,7 +69,96 @@ def served_deployments(repo: str | Path, cron: Optional[str] = NIGHTLY_CRON, sce
 
 
 def serve_forever(repo: str | Path, cron: Optional[str] = NIGHTLY_CRON, scenes: Optional[list[str]] = None,
-                  max_concurrent: int = 2, limit: Optional[int] = None) -> None:
-    from prefect import serve
+                  max_concurrent: int = 2, limit: Optional[int] = None, stop_grace_s: float = 15.0) -> None:
+    """``prefect.serve`` of :func:`served_deployments` until SIGTERM or Ctrl-C, with a clean stop.
 
-    serve(*served_deployments(repo, cron, scenes, max_concurrent), limit=limit, print_starting_message=True)
+    Prefect 3.8's runner, on SIGTERM, never awaits its own stop (``Runner.stop()`` called inside the event loop
+    returns an un-awaited coroutine) and exits at once, SIGKILLing the flow runs it is executing: a batch in
+    flight never marked its MLflow run KILLED nor its flow run Crashed/Cancelled.  Here SIGTERM and the first
+    Ctrl-C stop polling for new runs, give the runs in flight up to ``stop_grace_s`` to exit on their own (a
+    signal to the whole process group -- Ctrl-C, systemd, ``kill -- -PGID`` -- reached them too), and then
+    await the runner's stop, which cancels whatever still runs (SIGTERM, then SIGKILL after 30 s).  A second
+    Ctrl-C stops at once.
+    """
+    import asyncio
+    import signal
+
+    from prefect.exceptions import TerminationSignal
+    from prefect.runner import Runner
+
+    class _Runner(Runner):
+        stop_requested = False
+        stop_task: Optional[asyncio.Task] = None
+
+        def handle_sigterm(self, *args: Any, **kwargs: Any) -> None:
+            if not self.stop_soon("SIGTERM") and not self.stop_requested:
+                raise SystemExit(0)  # no loop running (yet, or any more): exit, the caller's `finally` cleans up
+
+        def stop_soon(self, why: str) -> bool:
+            """Begin the stop from a signal handler; False when there is no running loop or a stop is under way."""
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                return False
+            if self.stop_requested or not self.started:
+                return False
+            self.stop_requested = True
+            self._logger.info("%s received: no new runs; runs in flight get %.0f s to stop, then the runner stops",
+                              why, stop_grace_s)
+            self.stopping = True
+            if getattr(self, "_scheduled_run_poller", None) is not None:
+                self._scheduled_run_poller.stopping = True
+            loop.call_soon_threadsafe(self._start_stop_task, loop)  # wakes the loop out of its select()
+            return True
+
+        def _start_stop_task(self, loop: asyncio.AbstractEventLoop) -> None:
+            self.stop_task = loop.create_task(self._stop())
+
+        async def _stop(self) -> None:
+            await asyncio.to_thread(_wait_for_flow_runs, stop_grace_s)
+            await self.astop()
+
+    deployments = served_deployments(repo, cron, scenes, max_concurrent)
+    runner = _Runner(limit=limit)
+    for dep in deployments:
+        runner.add_deployment(dep)
+    print("serving " + ", ".join(f"{d.flow_name}/{d.name}" for d in deployments) + "; Ctrl-C stops", flush=True)
+
+    def on_sigint(signum, frame):  # noqa: ARG001
+        if not runner.stop_soon("SIGINT"):
+            raise KeyboardInterrupt
+
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, on_sigint)
+    try:
+        asyncio.run(runner.start())  # installs runner.handle_sigterm
+    except (KeyboardInterrupt, TerminationSignal):
+        pass
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def _wait_for_flow_runs(timeout_s: float) -> None:
+    """Wait up to ``timeout_s`` until the flow-run processes this process started have exited: its children in
+    its own process group (the workers ``splatflow serve`` starts have sessions of their own)."""
+    import os
+    import time
+
+    import psutil
+
+    try:
+        kids = [c for c in psutil.Process().children() if os.getpgid(c.pid) == os.getpgrp()]
+    except (OSError, psutil.Error):
+        return
+    deadline = time.monotonic() + timeout_s
+    while kids and time.monotonic() < deadline:
+        time.sleep(0.2)
+        alive = []
+        for k in kids:
+            try:
+                if k.status() != psutil.STATUS_ZOMBIE:  # a zombie has exited; the runner reaps it
+                    alive.append(k)
+            except psutil.NoSuchProcess:
+                pass
+        kids = alive

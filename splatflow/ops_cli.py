@@ -131,8 +131,10 @@ def register(app: typer.Typer) -> None:
         _use_local_prefect_server()
         if not os.environ.get("PREFECT_API_URL"):
             _fail("`serve` needs a Prefect server: run `splatflow ui` first (or set PREFECT_API_URL)")
-        root = Path(repo).resolve() if repo else _flows()
-        _flows()
+        # the flows (and the served deployments' entrypoints) come from the project served, not from the cwd
+        root = Path(repo).resolve() if repo else _root()
+        if str(root) not in sys.path:
+            sys.path.insert(0, str(root))
         from flows.deployments import deploy_scene, ensure_pool, serve_forever
 
         from splatflow.orchestrate import servers
@@ -140,13 +142,20 @@ def register(app: typer.Typer) -> None:
         ensure_pool(pool)
         deploy_scene(root, pool)
         typer.echo(f"work pool {pool!r} (process) with deployment reconstruct/scene from {root}")
-        started = [servers.start_worker(pool, api_url=os.environ["PREFECT_API_URL"], name=f"{os.uname().nodename}-{i}",
-                                        limit=1, log_dir=root / ".splatflow", cwd=root) for i in range(workers)]
-        for w in started:
-            typer.echo(f"worker {w.name} (log {w.log})")
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # SIGTERM during start-up still stops the workers
+        started = []
         try:
+            for i in range(workers):
+                started.append(servers.start_worker(pool, api_url=os.environ["PREFECT_API_URL"], limit=1,
+                                                    name=f"{os.uname().nodename}-{i}", log_dir=root / ".splatflow",
+                                                    cwd=root))
+                typer.echo(f"{started[-1].name} (log {started[-1].log})")
             serve_forever(root, cron=cron or None, scenes=scenes or None, max_concurrent=max_concurrent)
         finally:
+            for s in (signal.SIGTERM, signal.SIGINT):  # let the workers' flow runs finish cleaning up
+                signal.signal(s, signal.SIG_IGN)
+            if started:
+                typer.echo(f"stopping {len(started)} worker(s) and their flow runs ...")
             for w in started:
                 w.stop()
 

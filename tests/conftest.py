@@ -20,3 +20,41 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture()
+def stack(tmp_path, monkeypatch):
+    """A real Prefect server and MLflow server on free loopback ports (tests/test_servers.py, test_schedule.py).
+
+    The Prefect scheduler loop is shortened so served cron deployments get their upcoming runs within seconds.
+    The environment points at both servers (``SPLATFLOW_TRACKING=on``); everything started -- the two servers and
+    whatever a test appends to ``stack["started"]`` -- is stopped at the end, also on failure.
+    """
+    from splatflow.orchestrate import servers
+
+    started: list[servers.Server] = []
+    pport, mport = servers.free_port(), servers.free_port()
+    try:
+        pf = servers.start_prefect(pport, home=tmp_path / "prefect",
+                                   extra_env={"PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2"})
+        started.append(pf)
+        ml = servers.start_mlflow(mport, root=tmp_path, backend_uri=f"sqlite:///{tmp_path / 'mlflow-server.db'}",
+                                  artifacts_dir=tmp_path / "artifacts", log_dir=tmp_path)
+        started.append(ml)
+        pf.wait_healthy(300)
+        ml.wait_healthy(300)
+        api = f"{pf.url}/api"
+        monkeypatch.setenv("PREFECT_API_URL", api)
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", ml.url)
+        monkeypatch.setenv("SPLATFLOW_TRACKING", "on")
+        monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+        # Prefect reads its settings from the environment once, at import: when an earlier test already imported
+        # it, the env var alone is not seen and the client would silently start an ephemeral server instead.
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        with temporary_settings(updates={PREFECT_API_URL: api}):
+            yield {"prefect": pf, "mlflow": ml, "api": api, "started": started, "tmp": tmp_path}
+    finally:
+        for s in reversed(started):
+            s.stop()
+        assert not any(s.alive() for s in started)

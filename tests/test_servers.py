@@ -3,7 +3,7 @@ deployment on a process work pool, two workers, and a two-scene batch that must 
 
 The scenes use the two-stage toy DVC project of tests/test_tracking.py (real DVC, real tracking, trivial work), so
 the test measures orchestration rather than reconstruction (tests/test_flows.py runs the real stages).  Everything
-started is stopped at the end, also on failure.
+started is stopped at the end, also on failure (the ``stack`` fixture, tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -18,37 +18,6 @@ from splatflow.orchestrate import servers
 from tests.test_tracking import make_toy_project
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
-
-
-@pytest.fixture()
-def stack(tmp_path, monkeypatch):
-    started: list[servers.Server] = []
-    pport, mport = servers.free_port(), servers.free_port()
-    try:
-        # scheduler loop shortened so the served cron deployment gets its upcoming runs within seconds
-        pf = servers.start_prefect(pport, home=tmp_path / "prefect",
-                                   extra_env={"PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2"})
-        started.append(pf)
-        ml = servers.start_mlflow(mport, root=tmp_path, backend_uri=f"sqlite:///{tmp_path / 'mlflow-server.db'}",
-                                  artifacts_dir=tmp_path / "artifacts", log_dir=tmp_path)
-        started.append(ml)
-        pf.wait_healthy(300)
-        ml.wait_healthy(300)
-        api = f"{pf.url}/api"
-        monkeypatch.setenv("PREFECT_API_URL", api)
-        monkeypatch.setenv("MLFLOW_TRACKING_URI", ml.url)
-        monkeypatch.setenv("SPLATFLOW_TRACKING", "on")
-        monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
-        # Prefect reads its settings from the environment once, at import: when an earlier test already imported
-        # it, the env var alone is not seen and the client would silently start an ephemeral server instead.
-        from prefect.settings import PREFECT_API_URL, temporary_settings
-
-        with temporary_settings(updates={PREFECT_API_URL: api}):
-            yield {"prefect": pf, "mlflow": ml, "api": api, "started": started, "tmp": tmp_path}
-    finally:
-        for s in reversed(started):
-            s.stop()
-        assert not any(s.alive() for s in started)
 
 
 def test_two_scene_batch_on_two_workers(stack, tmp_path):

@@ -8,12 +8,14 @@ Both bind to 127.0.0.1 by default and are started with the low-memory settings m
   artifacts served from ``<repo>/mlartifacts``, one worker, ``MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false``
   (2.4 GB -> 0.5 GB) and ``MLFLOW_DISABLE_TELEMETRY=true``.
 
-Every server runs in its own process group so that stopping it stops its worker processes too.
+Every server runs in its own process group so that stopping it stops its worker processes too; processes
+it started in groups of their own (a worker's flow runs) get SIGTERM and time to clean up first.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -23,7 +25,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from splatflow.orchestrate.dvcrun import VENV_BIN, kill_group
+from splatflow.orchestrate.dvcrun import VENV_BIN, _group_members, kill_group
 
 PREFECT_PORT = 4200
 MLFLOW_PORT = 5000
@@ -92,8 +94,44 @@ class Server:
         except OSError:
             return ""
 
-    def stop(self, grace_s: float = 10.0) -> None:
+    def stop(self, grace_s: float = 10.0, children_grace_s: float = 30.0) -> None:
+        """SIGTERM the process groups its descendants started for themselves first (a worker's flow runs and
+        the DVC stage each one runs), and give them ``children_grace_s`` to clean up -- a Prefect worker that is
+        stopped SIGKILLs its flow runs at once, leaving their stage processes running and their runs RUNNING --
+        then stop the server's own group (:func:`kill_group`) and SIGKILL whatever is left of the others."""
+        groups = _descendant_groups(self.proc.pid) if self.alive() else set()
+        _signal_groups(groups, signal.SIGTERM)
+        deadline = time.monotonic() + children_grace_s
+        while groups and time.monotonic() < deadline and any(_group_members(g) for g in groups):
+            time.sleep(0.5)
         kill_group(self.proc, grace_s)
+        _signal_groups({g for g in groups if _group_members(g)}, signal.SIGKILL)
+
+
+def _descendant_groups(pid: int) -> set[int]:
+    """Process groups of ``pid``'s descendants other than its own: those a signal to its group never reaches."""
+    import psutil
+
+    try:
+        own = os.getpgid(pid)
+        kids = psutil.Process(pid).children(recursive=True)
+    except (OSError, psutil.Error):
+        return set()
+    groups = set()
+    for k in kids:
+        try:
+            groups.add(os.getpgid(k.pid))
+        except OSError:
+            continue
+    return groups - {own}
+
+
+def _signal_groups(groups: set[int], sig: int) -> None:
+    for g in groups:
+        try:
+            os.killpg(g, sig)
+        except OSError:
+            pass
 
 
 def _spawn(name: str, cmd: list[str], log: Path, env: dict, cwd: Path | None = None) -> subprocess.Popen:
