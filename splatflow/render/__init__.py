@@ -71,6 +71,7 @@ def rasterize(
     return_stats: bool = False,
     eps2d: float = 0.3,
     radius_clip: float = 0.0,
+    window: tuple[int, int, int, int] | None = None,
 ) -> tuple[Tensor, Tensor, dict[str, Any]]:
     """Render C views of N Gaussians; differentiable w.r.t. means, quats, scales, opacities and colors.
 
@@ -80,6 +81,13 @@ def rasterize(
     read (``means2d`` [C, N, 2] whose ``.grad`` / ``.absgrad`` are filled by backward, ``radii`` [C, N, 2],
     ``width``, ``height``, ``n_cameras``, ``gaussian_ids=None`` (unpacked), ...) and, with ``return_stats``,
     ``hit_count`` [C, N] (pixels each Gaussian contributed to) and ``weight_sum`` [C, N] (sum of alpha * T).
+
+    ``window=(x0, y0, w, h)`` renders only that part of the ``width`` x ``height`` views: the output is
+    [C, h, w, ...] and equals the window of the whole render (projection, culling and the EWA clamp use the whole
+    view; only the compositing is restricted), at the cost of the window's pixels. ``info["radii"]`` is zero for
+    Gaussians that do not reach the window. On the cuda backend the window is rendered as a camera of that size
+    with a shifted principal point (gsplat has no windowed mode), which differs only in the EWA clamp of Gaussians
+    centred far outside the window.
     """
     name = resolve_backend(backend)
     if rasterize_mode not in ("classic", "antialiased"):
@@ -92,7 +100,22 @@ def rasterize(
                          ("opacities", opacities, (N,)), ("viewmats", viewmats, (C, 4, 4)), ("Ks", Ks, (C, 3, 3))):
         if tuple(t.shape) != shape:
             raise ValueError(f"{nm} must have shape {shape}, got {tuple(t.shape)}")
+    if window is not None:
+        x0, y0, ww, wh = (int(v) for v in window)
+        if not (0 <= x0 and 0 <= y0 and ww >= 1 and wh >= 1 and x0 + ww <= width and y0 + wh <= height):
+            raise ValueError(f"window {window} must lie inside the {width}x{height} view")
     if name == "cuda":
+        if window is not None:
+            Ks = Ks.clone()
+            Ks[:, 0, 2] -= x0
+            Ks[:, 1, 2] -= y0
+            img, alpha, info = _rasterize_cuda(
+                means, quats, scales, opacities, colors, viewmats, Ks, ww, wh, sh_degree=sh_degree,
+                near_plane=near_plane, far_plane=far_plane, backgrounds=backgrounds, rasterize_mode=rasterize_mode,
+                render_mode=render_mode, absgrad=absgrad, return_stats=return_stats, eps2d=eps2d,
+                radius_clip=radius_clip)
+            info.update(width=width, height=height, window=(x0, y0, ww, wh))
+            return img, alpha, info
         return _rasterize_cuda(means, quats, scales, opacities, colors, viewmats, Ks, width, height,
                                sh_degree=sh_degree, near_plane=near_plane, far_plane=far_plane,
                                backgrounds=backgrounds, rasterize_mode=rasterize_mode, render_mode=render_mode,
@@ -121,6 +144,17 @@ def rasterize(
                                  antialiased=rasterize_mode == "antialiased", radius_clip=radius_clip)
         rgb = gaussian_colors(colors, sh_degree, means, viewmats, proj["valid"])  # [C, N, D]
     means2d = proj["means2d"]  # [C, N, 2]
+    radii = proj["radii"]
+    out_w, out_h = width, height
+    if window is not None:
+        # composite in window pixel coordinates; Gaussians that cannot reach the window count as not visible
+        means2d = means2d - means2d.new_tensor([x0, y0])
+        r = radii if radii.dim() == 3 else radii[..., None].expand(*radii.shape, 2)
+        m = means2d.detach()
+        reach = ((m[..., 0] + r[..., 0] > 0) & (m[..., 0] - r[..., 0] < ww)
+                 & (m[..., 1] + r[..., 1] > 0) & (m[..., 1] - r[..., 1] < wh))
+        radii = torch.where(reach[..., None] if radii.dim() == 3 else reach, radii, torch.zeros_like(radii))
+        out_w, out_h = ww, wh
     feats = rgb
     bgs = backgrounds
     if render_mode == "RGB+ED":
@@ -134,14 +168,14 @@ def rasterize(
         from .cpu import rasterize_cpu
 
         img, alpha, hits, wsum = rasterize_cpu(
-            means2d, proj["conics"], feats, proj["opacities"], proj["radii"], proj["depths"], width, height,
+            means2d, proj["conics"], feats, proj["opacities"], radii, proj["depths"], out_w, out_h,
             backgrounds=bgs, absgrad=absgrad, return_stats=return_stats,
         )
     else:
         from .oracle import rasterize_oracle
 
         img, alpha, hits, wsum = rasterize_oracle(
-            means2d, proj["conics"], feats, proj["opacities"], proj["radii"], proj["depths"], width, height,
+            means2d, proj["conics"], feats, proj["opacities"], radii, proj["depths"], out_w, out_h,
             backgrounds=bgs, return_stats=return_stats,
         )
         if absgrad and means2d.requires_grad:
@@ -150,13 +184,13 @@ def rasterize(
     if render_mode == "RGB+ED":
         img = torch.cat([img[..., :-1], img[..., -1:] / alpha.clamp(min=1e-10)], dim=-1)
 
-    tw, th = tile_grid(width, height, TILE_SIZE)
+    tw, th = tile_grid(out_w, out_h, TILE_SIZE)
     info: dict[str, Any] = {
         "backend": name,
         "batch_ids": None,
         "camera_ids": None,
         "gaussian_ids": None,
-        "radii": proj["radii"],
+        "radii": radii,
         "means2d": means2d,
         "depths": proj["depths"],
         "conics": proj["conics"],
@@ -168,6 +202,7 @@ def rasterize(
         "tile_height": th,
         "n_batches": 1,
         "n_cameras": C,
+        "window": None if window is None else (x0, y0, out_w, out_h),
     }
     if return_stats:
         info["hit_count"] = hits
