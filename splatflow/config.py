@@ -194,7 +194,7 @@ class DensifyConfig:
     prune_scale3d: float = 0.1
     absgrad: bool = False
     max_gaussians: int = 1_000_000  # hard cap on the count
-    budget_multiplier: float = 15.0  # cap = min(max_gaussians, budget_multiplier * initial count)
+    budget_multiplier: float = 8.0  # cap = min(max_gaussians, budget_multiplier * initial count)
     mcmc_noise_lr: float = 5e5
     mcmc_min_opacity: float = 0.005
     mcmc_scale_reg: float = 0.01
@@ -232,10 +232,10 @@ class EarlyStopConfig:
     enabled: bool = True
     eval_every: int = 100
     patience_steps: int = 1000
-    reference_steps: int = 30000
+    reference_steps: int = 6000
     min_delta_db: float = 0.1
     val_views: int = 3
-    val_factor: float = 0.5  # resolution factor the validation renders use
+    val_factor: float = 1.0  # resolution factor the validation renders use
 
     def __post_init__(self):
         check(self.eval_every >= 1, "train.early_stop.eval_every", "an integer >= 1", self.eval_every)
@@ -251,13 +251,18 @@ class EarlyStopConfig:
 class TrainConfig:
     """Training (issue 4): every behaviour of the loop is one of these named settings."""
 
-    max_steps: int = 1500
+    max_steps: int = 2800
     sh_degree: int = 3  # highest SH degree (its coefficients are allocated from the start)
     sh_degree_interval: int = 500  # active SH degree rises by one every this many steps
     init_opacity: float = 0.1
     init_scale: float = 1.0  # multiplies the mean 3-NN distance
     ssim_lambda: float = 0.2  # loss = (1 - l) L1 + l (1 - SSIM)
     random_background: bool = False
+    # pixels rendered per step: a level with more pixels trains on a random window of this area (same aspect,
+    # full detail) instead of the whole image; 0 = always whole images
+    patch_max_pixels: int = 60000
+    # Adam updates only the Gaussians a step's render reaches (gsplat's visible_adam); others keep params + moments
+    visible_adam: bool = False
     backend: Literal["auto", "cpu", "cuda", "torch"] = "auto"
     lr: LearningRates = field(default_factory=LearningRates)
     resolution: tuple[ResolutionPhase, ...] = field(default_factory=_default_phases)
@@ -277,6 +282,8 @@ class TrainConfig:
         check(0.0 < self.init_opacity < 1.0, "train.init_opacity", "a number in (0, 1)", self.init_opacity)
         check(self.init_scale > 0, "train.init_scale", "a number > 0", self.init_scale)
         check(0.0 <= self.ssim_lambda <= 1.0, "train.ssim_lambda", "a number in [0, 1]", self.ssim_lambda)
+        check(self.patch_max_pixels == 0 or self.patch_max_pixels >= 1024, "train.patch_max_pixels",
+              "0 (whole images) or an integer >= 1024", self.patch_max_pixels)
         check(len(self.resolution) >= 1, "train.resolution", "a non-empty list of phases", self.resolution)
         starts = [p.start_step if p.start_step is not None else p.start_fraction * self.max_steps
                   for p in self.resolution]

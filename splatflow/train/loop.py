@@ -53,6 +53,16 @@ def photometric_loss(pred: torch.Tensor, gt: torch.Tensor, sigma_px: float, ssim
     return (1.0 - ssim_lambda) * l1 + ssim_lambda * (1.0 - s), l1, s
 
 
+def patch_window(width: int, height: int, max_pixels: int) -> tuple[int, int, int, int] | None:
+    """A random window ``(x0, y0, w, h)`` of about ``max_pixels`` pixels and the image's aspect ratio, drawn with
+    the ``random`` module (seeded and checkpointed by the trainer); None when the whole image is small enough."""
+    if not max_pixels or width * height <= max_pixels:
+        return None
+    s = math.sqrt(max_pixels / (width * height))
+    pw, ph = max(16, min(width, int(width * s))), max(16, min(height, int(height * s)))
+    return random.randrange(width - pw + 1), random.randrange(height - ph + 1), pw, ph
+
+
 def config_hash(cfg: TrainConfig) -> str:
     """Hash of the settings that shape the trajectory (resume only continues a run of the same config)."""
     d = section_dict(cfg)
@@ -130,12 +140,23 @@ class Trainer:
         self._rows: list[dict] = []
 
     # ------------------------------------------------------------------------------------------ rendering
-    def render(self, i: int, factor: float, sh_degree: int, background: torch.Tensor | None = None):
-        """Render training view ``i`` at ``factor``: ``(rgb [H, W, 3], target [H, W, 3], info)``."""
+    def render(self, i: int, factor: float, sh_degree: int, background: torch.Tensor | None = None,
+               patch: bool = False):
+        """Render training view ``i`` at ``factor``: ``(rgb [H, W, 3], target [H, W, 3], info)``.
+
+        With ``patch`` and a level larger than ``train.patch_max_pixels``, only a random window of that area (same
+        aspect ratio) is rendered and returned (the rasterizer's ``window``: exactly those pixels of the whole
+        render), so the Gaussians see full-detail pixels at a fraction of the cost. ``info["width"]``/``["height"]``
+        stay those of the whole level, so densification gradients keep their scale (NDC units of the full view).
+        """
         from splatflow.render import rasterize
 
         target, K = self.cache.get(i, factor)
         h, w = target.shape[:2]
+        win = patch_window(w, h, self.cfg.patch_max_pixels) if patch else None
+        if win is not None:
+            x0, y0, pw, ph = win
+            target = target[y0:y0 + ph, x0:x0 + pw]
         p = self.params
         k = (sh_degree + 1) ** 2
         colors = torch.cat([p["sh0"], p["shN"][:, : k - 1]], dim=1)  # [N, K, 3]
@@ -143,7 +164,7 @@ class Trainer:
             p["means"], p["quats"], torch.exp(p["scales"]), torch.sigmoid(p["opacities"]), colors,
             self.viewmats[i][None], torch.from_numpy(K.astype(np.float32))[None], w, h,
             sh_degree=sh_degree, backgrounds=None if background is None else background[None],
-            backend=self.cfg.backend, absgrad=self.cfg.densify.absgrad)
+            backend=self.cfg.backend, absgrad=self.cfg.densify.absgrad, window=win)
         return rgb[0], target, info  # [H, W, 3]
 
     @torch.no_grad()
@@ -168,7 +189,7 @@ class Trainer:
         for g in self.optimizers["means"].param_groups:
             g["lr"] = s.means_lr.lr(step)
         bg = torch.rand(3) if cfg.random_background else None
-        rgb, target, info = self.render(i, factor, deg, bg)
+        rgb, target, info = self.render(i, factor, deg, bg, patch=True)
         if self.strategy is not None:
             self.strategy.step_pre_backward(self.params, self.optimizers, self.strategy_state, step, info)
         pred = rgb.permute(2, 0, 1)[None]  # [1, 3, H, W]
@@ -187,9 +208,12 @@ class Trainer:
         loss.backward()
         if not self._grad_checked:
             self._check_gradients(self.views[i].name)
-        for opt in self.optimizers.values():
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        if cfg.visible_adam:
+            self._visible_adam_step(info)
+        else:
+            for opt in self.optimizers.values():
+                opt.step()
+                opt.zero_grad(set_to_none=True)
         if isinstance(self.strategy, TorchMCMCStrategy):
             self.strategy.step_post_backward(self.params, self.optimizers, self.strategy_state, step, info,
                                              lr=s.means_lr.lr(step))
@@ -205,9 +229,37 @@ class Trainer:
             self._log_event(ev)
         with torch.no_grad():
             mse = float(((rgb.detach().clamp(0, 1) - target) ** 2).mean())
-        return {"step": step + 1, "phase": phase, "resolution": f"{target.shape[1]}x{target.shape[0]}",
+        return {"step": step + 1, "phase": phase, "resolution": f"{info['width']}x{info['height']}",
                 "sigma": round(sigma, 4), "loss": loss_f, "l1": float(l1.detach()), "ssim": float(ssim_v.detach()),
                 "psnr": -10.0 * math.log10(max(mse, 1e-12)), "gaussians": self.params["means"].shape[0]}
+
+    def _visible_adam_step(self, info: dict) -> None:
+        """Adam on the Gaussians this step's render reached; the others keep their parameters AND moments.
+
+        Plain Adam keeps moving a Gaussian that the current view (or training window) does not see, on the
+        momentum of earlier steps, and decays its moments towards a zero gradient it never had; with windows of a
+        fraction of the view most Gaussians are unseen in most steps. This is gsplat's ``visible_adam`` (its
+        SelectiveAdam), done around torch's fused Adam: the unseen rows are restored after the step.
+        """
+        radii = info["radii"]
+        seen = (radii > 0).all(-1) if radii.dim() == 3 else radii > 0  # [C, N]
+        unseen = ~seen.any(0)
+        idx = unseen.nonzero().squeeze(1) if bool(unseen.any()) else None
+        for k, opt in self.optimizers.items():
+            p = self.params[k]
+            saved = None
+            if idx is not None:
+                st = opt.state.get(p, {})
+                saved = [p.data.index_select(0, idx)] + \
+                        [st[n].index_select(0, idx) for n in ("exp_avg", "exp_avg_sq") if n in st]
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if saved is not None:
+                st = opt.state[p]
+                p.data.index_copy_(0, idx, saved[0])
+                if len(saved) == 3:
+                    st["exp_avg"].index_copy_(0, idx, saved[1])
+                    st["exp_avg_sq"].index_copy_(0, idx, saved[2])
 
     def _log_event(self, ev: dict) -> None:
         """Record a refine event: kept in the checkpoint, logged, and sent as step metrics."""
