@@ -105,21 +105,20 @@ def rasterize(
         if not (0 <= x0 and 0 <= y0 and ww >= 1 and wh >= 1 and x0 + ww <= width and y0 + wh <= height):
             raise ValueError(f"window {window} must lie inside the {width}x{height} view")
     if name == "cuda":
-        if window is not None:
+        cam_w, cam_h = width, height
+        if window is not None:  # a camera of the window's size with a shifted principal point
             Ks = Ks.clone()
             Ks[:, 0, 2] -= x0
             Ks[:, 1, 2] -= y0
-            img, alpha, info = _rasterize_cuda(
-                means, quats, scales, opacities, colors, viewmats, Ks, ww, wh, sh_degree=sh_degree,
-                near_plane=near_plane, far_plane=far_plane, backgrounds=backgrounds, rasterize_mode=rasterize_mode,
-                render_mode=render_mode, absgrad=absgrad, return_stats=return_stats, eps2d=eps2d,
-                radius_clip=radius_clip)
+            cam_w, cam_h = ww, wh
+        img, alpha, info = _rasterize_cuda(
+            means, quats, scales, opacities, colors, viewmats, Ks, cam_w, cam_h, sh_degree=sh_degree,
+            near_plane=near_plane, far_plane=far_plane, backgrounds=backgrounds, rasterize_mode=rasterize_mode,
+            render_mode=render_mode, absgrad=absgrad, return_stats=return_stats, eps2d=eps2d, radius_clip=radius_clip)
+        info["window"] = None
+        if window is not None:
             info.update(width=width, height=height, window=(x0, y0, ww, wh))
-            return img, alpha, info
-        return _rasterize_cuda(means, quats, scales, opacities, colors, viewmats, Ks, width, height,
-                               sh_degree=sh_degree, near_plane=near_plane, far_plane=far_plane,
-                               backgrounds=backgrounds, rasterize_mode=rasterize_mode, render_mode=render_mode,
-                               absgrad=absgrad, return_stats=return_stats, eps2d=eps2d, radius_clip=radius_clip)
+        return img, alpha, info
 
     if name == "cpu" and means.dtype in (torch.float32, torch.float64):
         # fused numba projection + SH with an analytic backward (the torch version below is the oracle's)
