@@ -10,6 +10,7 @@ exact resume needs, and SIGTERM handling.
 from __future__ import annotations
 
 import csv
+import functools
 import hashlib
 import json
 import logging
@@ -53,14 +54,59 @@ def photometric_loss(pred: torch.Tensor, gt: torch.Tensor, sigma_px: float, ssim
     return (1.0 - ssim_lambda) * l1 + ssim_lambda * (1.0 - s), l1, s
 
 
+PATCH_MIN_SIDE = 16  # a training window is never thinner than this (SSIM needs room)
+
+
+def _mean_clipped_length(size: int, nominal: int, min_side: int = PATCH_MIN_SIDE) -> float:
+    """Mean length of ``[x0, x0 + nominal)`` clipped to ``[0, size)`` over x0 uniform in
+    ``[min_side - nominal, size - min_side]`` (every placement overlapping the image by ``min_side`` or more)."""
+    x0 = np.arange(min_side - nominal, size - min_side + 1)
+    return float((np.minimum(size, x0 + nominal) - np.maximum(0, x0)).mean())
+
+
+@functools.lru_cache(maxsize=64)
+def _patch_plan(width: int, height: int, max_pixels: int) -> tuple[int, int, float]:
+    """``(nominal_w, nominal_h, p_whole)`` for :func:`patch_window`: the nominal window whose mean clipped area is
+    ``max_pixels``, and the probability of training on the whole image instead, used when even a nominal window
+    the size of the image clips to less than ``max_pixels`` on average (levels under ~4x the budget)."""
+    def nominal(s: float) -> tuple[int, int]:
+        return (max(PATCH_MIN_SIDE, min(width, round(width * s))),
+                max(PATCH_MIN_SIDE, min(height, round(height * s))))
+
+    def mean_area(s: float) -> float:
+        w, h = nominal(s)
+        return _mean_clipped_length(width, w) * _mean_clipped_length(height, h)
+
+    full = mean_area(1.0)
+    if full <= max_pixels:  # mix whole images in: mean area p * W H + (1 - p) * full = max_pixels
+        return width, height, (max_pixels - full) / (width * height - full)
+    lo, hi = 0.0, 1.0
+    for _ in range(40):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if mean_area(mid) < max_pixels else (lo, mid)
+    return (*nominal(hi), 0.0)
+
+
 def patch_window(width: int, height: int, max_pixels: int) -> tuple[int, int, int, int] | None:
-    """A random window ``(x0, y0, w, h)`` of about ``max_pixels`` pixels and the image's aspect ratio, drawn with
-    the ``random`` module (seeded and checkpointed by the trainer); None when the whole image is small enough."""
+    """A random training window ``(x0, y0, w, h)`` of ``max_pixels`` pixels ON AVERAGE, or None for the whole
+    image (always when the image is small enough), drawn with the ``random`` module (seeded and checkpointed by
+    the trainer).
+
+    Every pixel of the image is covered with the same probability (up to the ``PATCH_MIN_SIDE`` pixels at the
+    very edge): a nominal window of the image's aspect ratio is placed anywhere it overlaps the image and clipped
+    to it. Windows kept inside the image would cover a band a window deep along the border far less often than the
+    centre (a corner pixel once per ~500 windows at 800x600): measured, the border band of the training views
+    ended ~4 dB below their centre (bench/RESULTS.md, session 3).
+    """
     if not max_pixels or width * height <= max_pixels:
         return None
-    s = math.sqrt(max_pixels / (width * height))
-    pw, ph = max(16, min(width, int(width * s))), max(16, min(height, int(height * s)))
-    return random.randrange(width - pw + 1), random.randrange(height - ph + 1), pw, ph
+    pw, ph, p_whole = _patch_plan(int(width), int(height), int(max_pixels))
+    if p_whole > 0.0 and random.random() < p_whole:
+        return None
+    x0 = random.randint(PATCH_MIN_SIDE - pw, width - PATCH_MIN_SIDE)
+    y0 = random.randint(PATCH_MIN_SIDE - ph, height - PATCH_MIN_SIDE)
+    xa, ya = max(0, x0), max(0, y0)
+    return xa, ya, min(width, x0 + pw) - xa, min(height, y0 + ph) - ya
 
 
 def config_hash(cfg: TrainConfig) -> str:
@@ -83,6 +129,13 @@ class TrainResult:
     events: list[dict] = field(default_factory=list)
     initial_psnr: float | None = None
     resumed_from: int | None = None  # step of the unfinished checkpoint this run continued, if any
+
+
+def rendered(info: dict) -> torch.Tensor:
+    """[N] bool: the Gaussians a render reached in any of its views (or its window): radii > 0."""
+    radii = info["radii"]
+    seen = (radii > 0).all(-1) if radii.dim() == 3 else radii > 0  # [C, N]
+    return seen.any(0)
 
 
 class Trainer:
@@ -178,6 +231,23 @@ class Trainer:
             vals.append(-10.0 * math.log10(max(mse, 1e-12)))
         return float(np.mean(vals))
 
+    def _mcmc_regulariser(self, info: dict) -> torch.Tensor:
+        """3DGS-MCMC's opacity and scale L1 terms, averaged over the Gaussians this step RENDERS.
+
+        The paper averages over all Gaussians; with Adam that is harmless only when a view shows most of them.
+        On a window (``patch_max_pixels``) or a partial view, an unseen Gaussian's only gradient would be the
+        regulariser's, which Adam rescales to a full-size step: its opacity would be driven to zero (and the
+        Gaussian relocated) in a few hundred steps without the images ever asking for it (measured: validation
+        PSNR fell 0.5 dB over the last phase, bench/RESULTS.md). The mean over the rendered ones keeps the
+        paper's balance between the two losses, since the photometric term is a mean over the rendered pixels.
+        """
+        d = self.cfg.densify
+        vis = rendered(info)
+        if not bool(vis.any()):
+            return torch.zeros(())
+        return d.mcmc_opacity_reg * torch.sigmoid(self.params["opacities"][vis]).mean() \
+            + d.mcmc_scale_reg * torch.exp(self.params["scales"][vis]).mean()
+
     # ------------------------------------------------------------------------------------------ one step
     def train_step(self) -> dict:
         step, cfg, s = self.step, self.cfg, self.sched
@@ -196,8 +266,7 @@ class Trainer:
         gt = target.permute(2, 0, 1)[None]  # [1, 3, H, W]
         loss, l1, ssim_v = self.loss_fn(pred, gt, sigma, cfg.ssim_lambda)
         if isinstance(self.strategy, TorchMCMCStrategy):  # 3DGS-MCMC regularisers (Kheradmand et al. 2024 §4.3)
-            loss = loss + cfg.densify.mcmc_opacity_reg * torch.sigmoid(self.params["opacities"]).mean() \
-                + cfg.densify.mcmc_scale_reg * torch.exp(self.params["scales"]).mean()
+            loss = loss + self._mcmc_regulariser(info)
         if not self._grad_checked and not loss.requires_grad:
             raise GradientHealthError(
                 f"the training loss does not depend on the Gaussians at all (view {self.views[i].name}): the render "
@@ -241,9 +310,7 @@ class Trainer:
         fraction of the view most Gaussians are unseen in most steps. This is gsplat's ``visible_adam`` (its
         SelectiveAdam), done around torch's fused Adam: the unseen rows are restored after the step.
         """
-        radii = info["radii"]
-        seen = (radii > 0).all(-1) if radii.dim() == 3 else radii > 0  # [C, N]
-        unseen = ~seen.any(0)
+        unseen = ~rendered(info)
         idx = unseen.nonzero().squeeze(1) if bool(unseen.any()) else None
         for k, opt in self.optimizers.items():
             p = self.params[k]
