@@ -34,6 +34,7 @@ def main(argv=None) -> None:
     ap.add_argument("--split", default=None, help="split.json (default data/<scene>/split.json)")
     ap.add_argument("--finetune-steps", type=int, default=None, help="override prune.finetune_steps")
     ap.add_argument("--phases", type=int, default=None, help="override prune.phases")
+    ap.add_argument("--finetune-growth", type=float, default=None, help="override prune.finetune_growth")
     ap.add_argument("--max-drop-db", type=float, default=math.inf,
                     help="early-stop tolerance on validation PSNR (default inf: run every phase)")
     ap.add_argument("--test-factor", type=float, default=1.0, help="resolution factor of the test renders")
@@ -60,6 +61,8 @@ def main(argv=None) -> None:
     over = {"max_psnr_drop_db": args.max_drop_db if math.isfinite(args.max_drop_db) else 1e9}
     if args.finetune_steps is not None:
         over["finetune_steps"] = args.finetune_steps
+    if args.finetune_growth is not None:
+        over["finetune_growth"] = args.finetune_growth
     if args.phases is not None:
         over["phases"] = args.phases
     cfg = dataclasses.replace(cfg, **over)

@@ -313,6 +313,9 @@ class PruneConfig:
     keep_decay: float = 0.7  # each later phase keeps this fraction of the previous phase's target
     phases: int = 6
     finetune_steps: int = 300  # recovery steps after each phase (no densification)
+    # recovery steps grow as the model shrinks: finetune_steps x keep_fraction^-finetune_growth (0: constant);
+    # a step of a smaller model is cheaper, so 0.5 keeps each phase's recovery time roughly level
+    finetune_growth: float = 0.0
     max_psnr_drop_db: float = 1.0  # early stop: validation PSNR below (before - this) rejects the phase
     val_views: int = 4  # evenly spaced TRAINING views for the validation PSNR
     val_factor: float = 1.0  # resolution factor of the validation renders (full: pruning loses fine detail first)
@@ -327,6 +330,8 @@ class PruneConfig:
         check(0.0 < self.keep_decay <= 1.0, "prune.keep_decay", "a number in (0, 1]", self.keep_decay)
         check(0 <= self.phases <= 50, "prune.phases", "an integer in [0, 50] (0 disables pruning)", self.phases)
         check(self.finetune_steps >= 0, "prune.finetune_steps", "an integer >= 0", self.finetune_steps)
+        check(0.0 <= self.finetune_growth <= 2.0, "prune.finetune_growth", "a number in [0, 2]",
+              self.finetune_growth)
         check(self.max_psnr_drop_db >= 0.0, "prune.max_psnr_drop_db", "a number >= 0", self.max_psnr_drop_db)
         check(self.val_views >= 1, "prune.val_views", "an integer >= 1", self.val_views)
         check(0.0 < self.val_factor <= 1.0, "prune.val_factor", "a number in (0, 1]", self.val_factor)

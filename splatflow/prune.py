@@ -219,16 +219,18 @@ class PruneResult:
 
 def prune_phases(splats: dict[str, torch.Tensor], sh_degree: int, *, score_cameras: Sequence[Camera],
                  val_cameras: Sequence[Camera], val_targets: Sequence[torch.Tensor], keep_fractions: Sequence[float],
-                 finetune: FinetuneFn | None, finetune_steps: int, max_psnr_drop_db: float, beta: float = 0.1,
+                 finetune: FinetuneFn | None, finetune_steps: int, max_psnr_drop_db: float,
+                 finetune_growth: float = 0.0, beta: float = 0.1,
                  ref_quantile: float = 0.1, backend: str = "auto", progress: bool = True,
                  phase_callback: Callable[[dict, dict], None] | None = None) -> PruneResult:
     """Prune ``splats`` in phases down to ``keep_fractions`` (of the ORIGINAL count), recovering after each.
 
     Each phase: score the current model on ``score_cameras`` (training views), keep the top
-    ``round(fraction * N0)``, fine-tune ``finetune_steps`` steps, measure validation PSNR. A phase whose PSNR is
-    more than ``max_psnr_drop_db`` below the unpruned model's is rejected and pruning stops; the result is the
-    last accepted phase (the unpruned model if the first phase is rejected). ``phase_callback(record, splats)``
-    is called after every phase (accepted or not), e.g. for the benchmark's test-view PSNR.
+    ``round(fraction * N0)``, fine-tune ``finetune_steps * fraction**-finetune_growth`` steps, measure validation
+    PSNR. A phase whose PSNR is more than ``max_psnr_drop_db`` below the unpruned model's is rejected and pruning
+    stops; the result is the last accepted phase (the unpruned model if the first phase is rejected).
+    ``phase_callback(record, splats)`` is called after every phase (accepted or not), e.g. for the benchmark's
+    test-view PSNR.
 
     Returns the splats and a report with the keys of ``metrics/S/prune.json``.
     """
@@ -257,7 +259,7 @@ def prune_phases(splats: dict[str, torch.Tensor], sh_degree: int, *, score_camer
         scores = significance(current, score_cameras, beta=beta, ref_quantile=ref_quantile, backend=backend,
                               progress=progress)
         candidate = select(current, top_indices(scores, n_keep))
-        steps = int(finetune_steps) if finetune is not None else 0
+        steps = int(round(finetune_steps * float(frac) ** -finetune_growth)) if finetune is not None else 0
         if steps > 0:
             candidate = finetune(candidate, sh_degree, steps, f"recover phase {phase}")
         val = mean_psnr(candidate, sh_degree, val_cameras, val_targets, backend)
@@ -343,7 +345,7 @@ def run_prune(cfg, train_cfg, *, train_ckpt, out_ckpt, undistorted_dir=None, spl
         result = prune_phases(
             splats, sh_degree, score_cameras=cameras_at(scene.train_views, cfg.score_factor), val_cameras=val_cams,
             val_targets=val_targets, keep_fractions=schedule, finetune=recover, finetune_steps=cfg.finetune_steps,
-            max_psnr_drop_db=cfg.max_psnr_drop_db, beta=cfg.volume_beta, ref_quantile=cfg.volume_ref_quantile,
+            max_psnr_drop_db=cfg.max_psnr_drop_db, finetune_growth=cfg.finetune_growth, beta=cfg.volume_beta, ref_quantile=cfg.volume_ref_quantile,
             backend=cfg.backend, progress=cfg.progress, phase_callback=phase_callback)
 
     save_checkpoint(out_ckpt, {"splats": {k: result.splats[k].float().contiguous() for k in SPLAT_KEYS},

@@ -196,6 +196,24 @@ def test_early_stop_keeps_last_phase_within_tolerance(scene_files):
     assert {tuple(m) for m in scene_files.splats["means"][scene_files.groups["big"]].tolist()} <= kept_means
 
 
+def test_recovery_steps_grow_as_the_model_shrinks(scene_files):
+    """``finetune_growth``: phase k recovers for finetune_steps x keep^-growth steps (the fine-tune is called with
+    exactly that many steps, on exactly the kept Gaussians)."""
+    cams, targets = _val(scene_files)
+    calls = []
+
+    def fake_recovery(s, deg, steps, desc):  # records the request; returns the pruned model unchanged
+        calls.append((s["means"].shape[0], steps))
+        return s
+
+    res = prune.prune_phases(scene_files.splats, 1, score_cameras=cameras(), val_cameras=cams, val_targets=targets,
+                             keep_fractions=prune.keep_schedule(0.6, 0.7, 3), finetune=fake_recovery,
+                             finetune_steps=100, finetune_growth=0.5, max_psnr_drop_db=100.0, backend=BACKEND,
+                             progress=False)
+    assert calls == [(60, round(100 / 0.6 ** 0.5)), (42, round(100 / 0.42 ** 0.5)), (29, round(100 / 0.294 ** 0.5))]
+    assert [p["finetune_steps"] for p in res.report["phases"]] == [c[1] for c in calls]
+
+
 def test_zero_tolerance_rejects_first_phase_and_keeps_the_model(scene_files):
     cams, targets = _val(scene_files)
     res = prune.prune_phases(scene_files.splats, 1, score_cameras=cameras(), val_cameras=cams, val_targets=targets,
