@@ -142,9 +142,9 @@ class ResolutionPhase:
 
 
 def _default_phases() -> tuple[ResolutionPhase, ...]:
-    return (ResolutionPhase(0.125, start_fraction=0.0), ResolutionPhase(0.25, start_fraction=0.08),
-            ResolutionPhase(0.5, start_fraction=0.25), ResolutionPhase(0.75, start_fraction=0.55),
-            ResolutionPhase(1.0, start_fraction=0.8))
+    return (ResolutionPhase(0.125, start_fraction=0.0), ResolutionPhase(0.25, start_fraction=0.05),
+            ResolutionPhase(0.5, start_fraction=0.15), ResolutionPhase(0.75, start_fraction=0.35),
+            ResolutionPhase(1.0, start_fraction=0.6))
 
 
 @dataclass(frozen=True)
@@ -183,10 +183,10 @@ class LearningRates:
 class DensifyConfig:
     """Densification policy (gsplat strategies) and the Gaussian budget (Taming 3DGS)."""
 
-    strategy: Literal["default", "mcmc", "none"] = "mcmc"
+    strategy: Literal["default", "mcmc", "none"] = "default"
     refine_start_fraction: float = 0.05
-    refine_stop_fraction: float = 0.8
-    refine_every: int = 50
+    refine_stop_fraction: float = 0.6
+    refine_every: int = 100
     reset_every: int = 3000  # opacity reset period (default strategy); 0 disables
     grow_grad2d: float = 0.0002
     grow_scale3d: float = 0.01
@@ -251,10 +251,10 @@ class EarlyStopConfig:
 class TrainConfig:
     """Training (issue 4): every behaviour of the loop is one of these named settings."""
 
-    max_steps: int = 4500
+    max_steps: int = 4000
     sh_degree: int = 3  # highest SH degree (its coefficients are allocated from the start)
     sh_degree_interval: int = 500  # active SH degree rises by one every this many steps
-    init_opacity: float = 0.5
+    init_opacity: float = 0.1
     init_scale: float = 1.0  # multiplies the mean 3-NN distance
     ssim_lambda: float = 0.2  # loss = (1 - l) L1 + l (1 - SSIM)
     random_background: bool = False

@@ -17,12 +17,12 @@ from splatflow.train.strategies import (BudgetedDefaultStrategy, TorchMCMCStrate
 
 def test_default_resolution_phases_and_boundaries():
     s = Schedules.from_config(TrainConfig(max_steps=1000), scene_scale=1.0)
-    # default: 1/8 from 0, 1/4 from 8%, 1/2 from 25%, 3/4 from 55%, full from 80%
-    expect = {0: 0.125, 79: 0.125, 80: 0.25, 249: 0.25, 250: 0.5, 549: 0.5, 550: 0.75, 799: 0.75, 800: 1.0,
+    # default: 1/8 from 0, 1/4 from 5%, 1/2 from 15%, 3/4 from 35%, full from 60%
+    expect = {0: 0.125, 49: 0.125, 50: 0.25, 149: 0.25, 150: 0.5, 349: 0.5, 350: 0.75, 599: 0.75, 600: 1.0,
               999: 1.0}
     for step, f in expect.items():
         assert s.resolution.factor(step) == f, step
-    assert [s.resolution.phase(x) for x in (0, 80, 250, 550, 800)] == [0, 1, 2, 3, 4]
+    assert [s.resolution.phase(x) for x in (0, 50, 150, 350, 600)] == [0, 1, 2, 3, 4]
 
 
 def test_phases_by_absolute_step_and_validation():
