@@ -300,8 +300,8 @@ class PruneConfig:
     """Global-significance pruning with recovery (LightGaussian, Fan et al. 2023; issue 5).
 
     Phase ``k`` (0-based) keeps ``keep_first * keep_decay**k`` of the TRAINED model's Gaussians (defaults:
-    0.6, 0.42, ..., 0.10 after six phases); each phase is followed by ``finetune_steps`` of recovery training
-    without densification. Pruning stops early, keeping the last accepted phase, when the PSNR on
+    0.6, 0.42, ..., 0.10 after six phases); each phase is followed by ``finetune_steps * keep**-finetune_growth``
+    steps of recovery training without densification. Pruning stops early, keeping the last accepted phase, when the PSNR on
     ``val_views`` TRAINING views (never test views) falls more than ``max_psnr_drop_db`` below the unpruned
     model's. ``enabled: false``, ``phases: 0`` or a schedule that keeps everything is a no-op that still writes
     the outputs. ``volume_beta``/``volume_ref_quantile``: the volume weight ``clamp(V / V_ref, 0, 1)**beta`` with
@@ -312,10 +312,10 @@ class PruneConfig:
     keep_first: float = 0.6  # fraction of the trained model's Gaussians kept after the first phase
     keep_decay: float = 0.7  # each later phase keeps this fraction of the previous phase's target
     phases: int = 6
-    finetune_steps: int = 300  # recovery steps after each phase (no densification)
+    finetune_steps: int = 1000  # recovery steps after each phase (no densification), x keep^-finetune_growth
     # recovery steps grow as the model shrinks: finetune_steps x keep_fraction^-finetune_growth (0: constant);
     # a step of a smaller model is cheaper, so 0.5 keeps each phase's recovery time roughly level
-    finetune_growth: float = 0.0
+    finetune_growth: float = 0.5
     max_psnr_drop_db: float = 1.0  # early stop: validation PSNR below (before - this) rejects the phase
     val_views: int = 4  # evenly spaced TRAINING views for the validation PSNR
     val_factor: float = 1.0  # resolution factor of the validation renders (full: pruning loses fine detail first)

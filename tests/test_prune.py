@@ -227,7 +227,7 @@ def test_zero_tolerance_rejects_first_phase_and_keeps_the_model(scene_files):
 
 
 def _cfg(**kw) -> PruneConfig:
-    base = dict(val_views=3, val_factor=1.0, backend=BACKEND, progress=False, finetune_steps=0)
+    base = dict(val_views=3, val_factor=1.0, backend=BACKEND, progress=False, finetune_steps=0, finetune_growth=0.0)
     base.update(kw)
     return PruneConfig(**base)
 
