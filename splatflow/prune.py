@@ -345,8 +345,9 @@ def run_prune(cfg, train_cfg, *, train_ckpt, out_ckpt, undistorted_dir=None, spl
         result = prune_phases(
             splats, sh_degree, score_cameras=cameras_at(scene.train_views, cfg.score_factor), val_cameras=val_cams,
             val_targets=val_targets, keep_fractions=schedule, finetune=recover, finetune_steps=cfg.finetune_steps,
-            max_psnr_drop_db=cfg.max_psnr_drop_db, finetune_growth=cfg.finetune_growth, beta=cfg.volume_beta, ref_quantile=cfg.volume_ref_quantile,
-            backend=cfg.backend, progress=cfg.progress, phase_callback=phase_callback)
+            max_psnr_drop_db=cfg.max_psnr_drop_db, finetune_growth=cfg.finetune_growth, beta=cfg.volume_beta,
+            ref_quantile=cfg.volume_ref_quantile, backend=cfg.backend, progress=cfg.progress,
+            phase_callback=phase_callback)
 
     save_checkpoint(out_ckpt, {"splats": {k: result.splats[k].float().contiguous() for k in SPLAT_KEYS},
                                "sh_degree": sh_degree, "step": int(ckpt.get("step", 0))})
