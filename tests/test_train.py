@@ -141,7 +141,7 @@ def test_gradient_guard_fires_on_a_detached_render(scene):
         return loss + 0.0 * pred.sum(), l1, ss
 
     tr2.loss_fn = zero_grad_loss
-    with pytest.raises(GradientHealthError, match="means, sh0"):  # (opacities get the MCMC regulariser's)
+    with pytest.raises(GradientHealthError, match="means, sh0"):  # (under MCMC opacities get a regulariser grad)
         tr2.run()
 
 
@@ -235,8 +235,6 @@ def test_patch_windows_cover_every_pixel_equally_and_average_the_budget():
     """Training windows stay inside the image, average ``patch_max_pixels`` pixels, and cover the border as often
     as the centre (windows kept inside the image starve a band a window deep along the border)."""
     import random
-
-    import numpy as np
 
     from splatflow.train.loop import PATCH_MIN_SIDE, patch_window
 
