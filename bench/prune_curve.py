@@ -35,6 +35,9 @@ def main(argv=None) -> None:
     ap.add_argument("--finetune-steps", type=int, default=None, help="override prune.finetune_steps")
     ap.add_argument("--phases", type=int, default=None, help="override prune.phases")
     ap.add_argument("--finetune-growth", type=float, default=None, help="override prune.finetune_growth")
+    ap.add_argument("--score", choices=("significance", "removal"), default=None, help="override prune.score")
+    ap.add_argument("--score-rounds", type=int, default=None, help="override prune.score_rounds")
+    ap.add_argument("--finetune-means-lr", type=float, default=None, help="override prune.finetune_means_lr")
     ap.add_argument("--max-drop-db", type=float, default=math.inf,
                     help="early-stop tolerance on validation PSNR (default inf: run every phase)")
     ap.add_argument("--test-factor", type=float, default=1.0, help="resolution factor of the test renders")
@@ -59,12 +62,9 @@ def main(argv=None) -> None:
     ckpt = Path(args.ckpt) if args.ckpt else paths.train_ckpt
     cfg = params.prune
     over = {"max_psnr_drop_db": args.max_drop_db if math.isfinite(args.max_drop_db) else 1e9}
-    if args.finetune_steps is not None:
-        over["finetune_steps"] = args.finetune_steps
-    if args.finetune_growth is not None:
-        over["finetune_growth"] = args.finetune_growth
-    if args.phases is not None:
-        over["phases"] = args.phases
+    for name in ("finetune_steps", "finetune_growth", "phases", "score", "score_rounds", "finetune_means_lr"):
+        if getattr(args, name) is not None:
+            over[name] = getattr(args, name)
     cfg = dataclasses.replace(cfg, **over)
 
     split_json = Path(args.split) if args.split else paths.split_json

@@ -319,7 +319,17 @@ class PruneConfig:
     max_psnr_drop_db: float = 1.0  # early stop: validation PSNR below (before - this) rejects the phase
     val_views: int = 4  # evenly spaced TRAINING views for the validation PSNR
     val_factor: float = 1.0  # resolution factor of the validation renders (full: pruning loses fine detail first)
-    score_factor: float = 1.0  # resolution factor of the renders that measure significance
+    # what ranks the Gaussians: "significance" (LightGaussian: alpha x transmittance summed over the training
+    # pixels, x a volume weight) or "removal" (the exact growth of the training views' squared error if the
+    # Gaussian alone were removed)
+    score: Literal["significance", "removal"] = "removal"
+    # each phase cuts in this many geometric steps, re-scoring the survivors before each: a Gaussian whose
+    # look-alike neighbour was just cut becomes expensive to remove (1: one cut per phase, as LightGaussian)
+    score_rounds: int = 4
+    score_factor: float = 1.0  # resolution factor of the renders that measure the scores
+    # position learning rate of the recovery, as a factor of train.lr.means (x scene scale): training ends at
+    # train.lr.means_final_factor (0.01), too slow for the survivors to move into the gaps the cut ones leave
+    finetune_means_lr: float = 0.3
     volume_beta: float = 0.1
     volume_ref_quantile: float = 0.1
     backend: Literal["auto", "cpu", "cuda", "torch"] = "auto"
@@ -335,6 +345,10 @@ class PruneConfig:
         check(self.max_psnr_drop_db >= 0.0, "prune.max_psnr_drop_db", "a number >= 0", self.max_psnr_drop_db)
         check(self.val_views >= 1, "prune.val_views", "an integer >= 1", self.val_views)
         check(0.0 < self.val_factor <= 1.0, "prune.val_factor", "a number in (0, 1]", self.val_factor)
+        check(self.score in ("significance", "removal"), "prune.score", "significance or removal", self.score)
+        check(1 <= self.score_rounds <= 20, "prune.score_rounds", "an integer in [1, 20]", self.score_rounds)
+        check(0.0 < self.finetune_means_lr <= 1.0, "prune.finetune_means_lr", "a number in (0, 1]",
+              self.finetune_means_lr)
         check(0.0 < self.score_factor <= 1.0, "prune.score_factor", "a number in (0, 1]", self.score_factor)
         check(0.0 <= self.volume_beta <= 1.0, "prune.volume_beta", "a number in [0, 1] (0: no volume term)",
               self.volume_beta)

@@ -24,6 +24,19 @@ Phases: pruning all the way to 10% at once destroys the scene; pruning in steps 
 model, so a Gaussian that became important after the previous recovery is kept. Pruning stops early, keeping the
 last accepted phase, when the PSNR on a few TRAINING views falls more than a tolerance below the unpruned model's
 (test views stay untouched, DESIGN.md §6).
+
+Deviations from LightGaussian, each measured on the demo scene (bench/RESULTS.md, session 4), all configurable:
+
+- The default score is the REMOVAL cost (``prune.score: removal``), not the significance: for each Gaussian, the
+  exact growth of the training views' squared error if it alone were removed (:func:`removal_scores`). The
+  significance counts how much a Gaussian is seen, so a large one that merely repeats what lies behind it ranks
+  first and a small one that draws an edge ranks last; the removal cost ranks by what each is worth. At 10% of
+  the Gaussians it lost 2.2 dB of test PSNR where the significance lost 3.8 dB.
+- Each phase cuts in ``score_rounds`` geometric steps, re-scoring the survivors before each. Single-removal
+  costs cannot see redundancy: of two look-alike Gaussians each is cheap to remove while the other stays, and
+  one cut drops both. After a smaller cut the remaining one becomes expensive and is kept.
+- The recovery moves positions at ``prune.finetune_means_lr`` x the initial training rate (0.3) instead of the
+  final one (0.01): at the final rate the survivors barely move into the gaps the removed ones leave.
 """
 
 from __future__ import annotations
@@ -42,6 +55,7 @@ from splatflow.model import SPLAT_KEYS
 
 # A recovery fine-tune: (splats, sh_degree, steps, description) -> fine-tuned splats (detached float32 CPU).
 FinetuneFn = Callable[[dict, int, int, str], dict]
+SCORES = ("significance", "removal")
 
 
 # --------------------------------------------------------------------------------------------- cameras
@@ -144,6 +158,32 @@ def significance(splats: dict[str, torch.Tensor], cameras: Sequence[Camera], *, 
     return weights * volume_weight(splats["scales"], beta, ref_quantile)
 
 
+@torch.no_grad()
+def removal_scores(splats: dict[str, torch.Tensor], sh_degree: int, cameras: Sequence[Camera],
+                   targets: Sequence[torch.Tensor], *, progress: bool = False) -> torch.Tensor:
+    """Each Gaussian's removal cost over ``cameras``: how much the summed squared error against ``targets``
+    (training images ``[H, W, 3]``) would grow if it alone were removed, ``[N]`` (may be negative).
+
+    Unlike the significance, which counts how much a Gaussian is SEEN, this counts what it is WORTH: a large
+    Gaussian whose colour matches what lies behind or around it costs little to remove, a small one that draws
+    an edge costs a lot. Exact per Gaussian (:func:`splatflow.render.removal_loss`); the interactions of removing
+    many at once are left to the recovery fine-tune.
+    """
+    from splatflow.render import removal_loss
+
+    a = activated(splats)
+    n = a["means"].shape[0]
+    total = torch.zeros(n, dtype=torch.float64)
+    sh = a["colors"][:, : (sh_degree + 1) ** 2]
+    for cam, tgt in tqdm(list(zip(cameras, targets)), desc="removal cost", disable=not progress, leave=False):
+        viewmat = torch.as_tensor(cam.world_to_cam, dtype=torch.float32)[None]  # [1, 4, 4]
+        K = torch.as_tensor(cam.K, dtype=torch.float32)[None]  # [1, 3, 3]
+        _, inc = removal_loss(a["means"], a["quats"], a["scales"], a["opacities"], sh, viewmat, K, cam.width,
+                              cam.height, sh_degree=sh_degree, target=tgt[None])
+        total += inc[0].double()
+    return total
+
+
 def top_indices(scores: torch.Tensor, n_keep: int) -> torch.Tensor:
     """Indices of the ``n_keep`` highest scores, in ascending index order (ties: the lower index wins).
 
@@ -220,20 +260,27 @@ class PruneResult:
 def prune_phases(splats: dict[str, torch.Tensor], sh_degree: int, *, score_cameras: Sequence[Camera],
                  val_cameras: Sequence[Camera], val_targets: Sequence[torch.Tensor], keep_fractions: Sequence[float],
                  finetune: FinetuneFn | None, finetune_steps: int, max_psnr_drop_db: float,
-                 finetune_growth: float = 0.0, beta: float = 0.1,
+                 finetune_growth: float = 0.0, score: str = "significance", score_rounds: int = 1,
+                 score_targets: Sequence[torch.Tensor] | None = None, beta: float = 0.1,
                  ref_quantile: float = 0.1, backend: str = "auto", progress: bool = True,
                  phase_callback: Callable[[dict, dict], None] | None = None) -> PruneResult:
     """Prune ``splats`` in phases down to ``keep_fractions`` (of the ORIGINAL count), recovering after each.
 
-    Each phase: score the current model on ``score_cameras`` (training views), keep the top
-    ``round(fraction * N0)``, fine-tune ``finetune_steps * fraction**-finetune_growth`` steps, measure validation
-    PSNR. A phase whose PSNR is more than ``max_psnr_drop_db`` below the unpruned model's is rejected and pruning
-    stops; the result is the last accepted phase (the unpruned model if the first phase is rejected).
+    Each phase: score the current model on ``score_cameras`` (training views; ``score`` is "significance" or
+    "removal", which needs the images ``score_targets``), keep the top ``round(fraction * N0)`` (in
+    ``score_rounds`` geometric cuts, re-scoring before each), fine-tune
+    ``finetune_steps * fraction**-finetune_growth`` steps, measure validation PSNR. A phase whose PSNR is more
+    than ``max_psnr_drop_db`` below the unpruned model's is rejected and pruning stops; the result is the last
+    accepted phase (the unpruned model if the first phase is rejected).
     ``phase_callback(record, splats)`` is called after every phase (accepted or not), e.g. for the benchmark's
     test-view PSNR.
 
     Returns the splats and a report with the keys of ``metrics/S/prune.json``.
     """
+    if score not in SCORES:
+        raise ValueError(f"score must be one of {SCORES}, got {score!r}")
+    if score == "removal" and (score_targets is None or len(score_targets) != len(score_cameras)):
+        raise ValueError("score='removal' needs one target image per score camera")
     n0 = int(splats["means"].shape[0])
     if n0 == 0:
         raise UserError("the trained checkpoint holds no Gaussians; rerun the train stage")
@@ -256,9 +303,15 @@ def prune_phases(splats: dict[str, torch.Tensor], sh_degree: int, *, score_camer
         n_cur = current["means"].shape[0]
         if n_keep >= n_cur:  # the schedule asks for nothing new (e.g. decay 1.0)
             continue
-        scores = significance(current, score_cameras, beta=beta, ref_quantile=ref_quantile, backend=backend,
-                              progress=progress)
-        candidate = select(current, top_indices(scores, n_keep))
+        candidate = current
+        for r in range(1, score_rounds + 1):  # geometric sub-cuts, each re-scored without the ones cut before
+            n_sub = n_keep if r == score_rounds else int(round(n_cur * (n_keep / n_cur) ** (r / score_rounds)))
+            if score == "removal":
+                scores = removal_scores(candidate, sh_degree, score_cameras, score_targets, progress=progress)
+            else:
+                scores = significance(candidate, score_cameras, beta=beta, ref_quantile=ref_quantile,
+                                      backend=backend, progress=progress)
+            candidate = select(candidate, top_indices(scores, n_sub))
         steps = int(round(finetune_steps * float(frac) ** -finetune_growth)) if finetune is not None else 0
         if steps > 0:
             candidate = finetune(candidate, sh_degree, steps, f"recover phase {phase}")
@@ -288,7 +341,13 @@ def prune_phases(splats: dict[str, torch.Tensor], sh_degree: int, *, score_camer
 
 
 def val_set(scene, n_views: int, factor: float, image_cache_mb: int = 256) -> tuple[list[Camera], list[torch.Tensor]]:
-    """Validation cameras and targets: ``n_views`` evenly spaced TRAINING views at ``factor`` (never test views).
+    """Validation cameras and targets: ``n_views`` evenly spaced TRAINING views at ``factor`` (never test views)."""
+    return training_images(scene, val_indices(len(scene.train_views), n_views), factor, image_cache_mb)
+
+
+def training_images(scene, indices: Sequence[int], factor: float,
+                    image_cache_mb: int = 256) -> tuple[list[Camera], list[torch.Tensor]]:
+    """Cameras and images ``[H, W, 3]`` of the TRAINING views ``indices`` at ``factor``.
 
     Images come from the training image cache (area-downsampled, intrinsics scaled to match).
     """
@@ -297,7 +356,7 @@ def val_set(scene, n_views: int, factor: float, image_cache_mb: int = 256) -> tu
     views = list(scene.train_views)
     cache = ImageCache(views, image_cache_mb)
     cams, targets = [], []
-    for i in val_indices(len(views), n_views):
+    for i in indices:
         img, K = cache.get(i, factor)  # [H, W, 3], [3, 3]
         cams.append(Camera(np.asarray(views[i].world_to_cam, dtype=np.float64), K, img.shape[1], img.shape[0]))
         targets.append(img)
@@ -340,12 +399,18 @@ def run_prune(cfg, train_cfg, *, train_ckpt, out_ckpt, undistorted_dir=None, spl
 
         def recover(s: dict, deg: int, steps: int, desc: str) -> dict:
             return _finetune(s, scene, steps, train_cfg, sh_degree=deg, seed=seed, progress=cfg.progress,
-                             backend=cfg.backend)
+                             backend=cfg.backend, means_lr_factor=cfg.finetune_means_lr)
 
+        if cfg.score == "removal":
+            score_cams, score_targets = training_images(scene, range(len(scene.train_views)), cfg.score_factor,
+                                                        image_cache_mb=train_cfg.image_cache_mb)
+        else:
+            score_cams, score_targets = cameras_at(scene.train_views, cfg.score_factor), None
         result = prune_phases(
-            splats, sh_degree, score_cameras=cameras_at(scene.train_views, cfg.score_factor), val_cameras=val_cams,
-            val_targets=val_targets, keep_fractions=schedule, finetune=recover, finetune_steps=cfg.finetune_steps,
-            max_psnr_drop_db=cfg.max_psnr_drop_db, finetune_growth=cfg.finetune_growth, beta=cfg.volume_beta,
+            splats, sh_degree, score_cameras=score_cams, val_cameras=val_cams, val_targets=val_targets,
+            keep_fractions=schedule, finetune=recover, finetune_steps=cfg.finetune_steps,
+            max_psnr_drop_db=cfg.max_psnr_drop_db, finetune_growth=cfg.finetune_growth, score=cfg.score,
+            score_rounds=cfg.score_rounds, score_targets=score_targets, beta=cfg.volume_beta,
             ref_quantile=cfg.volume_ref_quantile, backend=cfg.backend, progress=cfg.progress,
             phase_callback=phase_callback)
 

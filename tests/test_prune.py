@@ -163,6 +163,107 @@ def test_keeps_exactly_the_significant_gaussians():
     assert all(torch.equal(sub[k], splats[k][kept]) for k in sub)
 
 
+def _targets(splats: dict, cams: list[prune.Camera], sh_degree: int = 1) -> list[torch.Tensor]:
+    return [prune.render_rgb(splats, sh_degree, cam, "torch") for cam in cams]
+
+
+def test_removal_scores_equal_removing_each_gaussian():
+    """The removal cost is exact: for every Gaussian, the growth of the squared error when the image is rendered
+    again without it (the plain-PyTorch oracle, no clamping to [0, 1]), against targets it does not reproduce."""
+    from splatflow.render import rasterize
+
+    splats, _ = make_splats()
+    cams = cameras()
+    g = torch.Generator().manual_seed(1)
+    targets = [torch.rand(H, W, 3, generator=g) for _ in cams]
+    ours = prune.removal_scores(splats, 1, cams, targets)
+    a = prune.activated(splats)
+    n = a["means"].shape[0]
+
+    def sq_err(keep: torch.Tensor) -> float:
+        total = 0.0
+        for cam, tgt in zip(cams, targets):
+            img, _, _ = rasterize(a["means"][keep], a["quats"][keep], a["scales"][keep], a["opacities"][keep],
+                                  a["colors"][keep][:, :4], torch.from_numpy(cam.world_to_cam).float()[None],
+                                  torch.from_numpy(cam.K).float()[None], W, H, sh_degree=1, backend="torch")
+            total += float(((img[0].double() - tgt.double()) ** 2).sum())
+        return total
+
+    everything = sq_err(torch.ones(n, dtype=torch.bool))
+    truth = torch.tensor([sq_err(torch.arange(n) != j) - everything for j in range(n)], dtype=torch.float64)
+    assert truth.abs().max() > 10 and (truth < 0).any()  # some removals help against random targets
+    torch.testing.assert_close(ours, truth, rtol=1e-3, atol=2e-3)
+
+
+def test_removal_scores_rank_by_worth_not_by_coverage():
+    """Against the model's own renders the 20 opaque Gaussians are the ones worth keeping; a large Gaussian that
+    spoils the picture (absent from the targets) scores lowest, below zero, where LightGaussian ranks it first."""
+    splats, groups = make_splats()
+    cams = cameras()
+    scores = prune.removal_scores(splats, 1, cams, _targets(splats, cams))
+    assert set(prune.top_indices(scores, N_BIG).tolist()) == set(groups["big"].tolist())
+    assert float(scores[groups["transparent"]].abs().max()) == 0.0 and float(scores[groups["behind"]].max()) == 0.0
+
+    spoiler = {k: torch.cat([v, v[groups["big"][:1]]]) for k, v in splats.items()}  # a copy of a big one ...
+    spoiler["means"][-1] = torch.tensor([0.0, 0.0, 2.0])  # ... in front of everything, mid-picture
+    spoiler["scales"][-1] = math.log(0.4)
+    spoiler["sh0"][-1] = -spoiler["sh0"][-1]
+    scores = prune.removal_scores(spoiler, 1, cams, _targets(splats, cams))
+    assert float(scores[-1]) < 0 and int(torch.argmin(scores)) == N_BIG * 5  # the first to go
+    assert int(torch.argmax(prune.significance(spoiler, cams, backend=BACKEND))) == N_BIG * 5
+
+
+def _pair_scene() -> tuple[dict[str, torch.Tensor], list[prune.Camera], list[torch.Tensor]]:
+    """Four white Gaussians apart from each other on black: a semi-opaque pair A, A' at the same place (0, 1),
+    then two small opaque ones B (2) and C (3, the smaller). Alone, each of A and A' is nearly free to remove
+    (the other still draws the spot); both together are worth more than B or C."""
+    n = 4
+    splats = {
+        "means": torch.tensor([[-1.0, 0.0, 4.0], [-1.0, 0.0, 4.0], [0.3, 0.0, 4.0], [1.2, 0.0, 4.0]]),
+        "quats": torch.tensor([[1.0, 0.0, 0.0, 0.0]]).repeat(n, 1),
+        "scales": torch.log(torch.tensor([0.2, 0.2, 0.11, 0.1]))[:, None].repeat(1, 3),
+        "opacities": torch.tensor([_logit(0.6), _logit(0.6), _logit(0.9), _logit(0.9)]),
+        "sh0": torch.full((n, 1, 3), 0.5 / 0.28209479),  # colour 1.0
+        "shN": torch.zeros(n, 3, 3),
+    }
+    cams = [prune.Camera(_w2c(0.0), K, W, H)]
+    return splats, cams, _targets(splats, cams)
+
+
+def test_rescoring_rounds_keep_one_of_a_redundant_pair():
+    """Keeping 2 of 4 in one cut drops both copies of the pair (each alone looks redundant), losing the spot;
+    two rounds (4 -> 3 -> 2, re-scored in between) drop one copy, then see the other is now worth keeping, and
+    the picture is closer to the target."""
+    splats, cams, targets = _pair_scene()
+    psnr = {}
+    for rounds, survivors in ((1, [2, 3]), (2, [0, 2])):
+        res = prune.prune_phases(splats, 1, score_cameras=cams, val_cameras=cams, val_targets=targets,
+                                 keep_fractions=[0.5], finetune=None, finetune_steps=0, max_psnr_drop_db=math.inf,
+                                 score="removal", score_rounds=rounds, score_targets=targets, progress=False)
+        assert res.splats["means"].shape[0] == 2
+        assert torch.equal(res.splats["scales"], splats["scales"][survivors])  # (A or A', the same) and B
+        psnr[rounds] = res.report["val_psnr_after"]
+    assert psnr[2] > psnr[1] + 3.0, psnr
+
+
+def test_recovery_position_learning_rate(scene_files):
+    """``means_lr_factor`` sets the recovery's position rate: Adam's first step moves each mean by about the
+    rate (x scene scale); the default is training's final rate, 30x smaller than prune's 0.3."""
+    from splatflow.model import scene_scale
+    from splatflow.train.loop import finetune
+
+    cfg = TrainConfig(backend=BACKEND, image_cache_mb=16)
+    sc = scene_scale(np.stack([v.world_to_cam for v in scene_files.scene.train_views]))
+    moved = {}
+    for f in (None, 0.3):
+        out = finetune(scene_files.splats, scene_files.scene, 1, cfg, sh_degree=1, backend=BACKEND,
+                       means_lr_factor=f)
+        moved[f] = float((out["means"] - scene_files.splats["means"]).abs().max())
+    assert moved[0.3] == pytest.approx(cfg.lr.means * sc * 0.3, rel=0.05)
+    # the final rate is below float32's resolution at |x| = 4 here: the means hardly move at all
+    assert moved[None] <= max(cfg.lr.means * sc * cfg.lr.means_final_factor, 4.0 * 2.0**-23) * 1.05
+
+
 def test_keep_schedule():
     fr = prune.keep_schedule(0.6, 0.7, 6)
     assert [round(f, 4) for f in fr] == [0.6, 0.42, 0.294, 0.2058, 0.1441, 0.1008]

@@ -20,7 +20,8 @@ from torch import Tensor
 from .projection import gaussian_colors, project_gaussians, tile_grid
 from .threads import configure_threads, warmup
 
-__all__ = ["rasterize", "resolve_backend", "configure_threads", "warmup", "CudaUnavailableError", "BACKENDS"]
+__all__ = ["rasterize", "removal_loss", "resolve_backend", "configure_threads", "warmup", "CudaUnavailableError",
+           "BACKENDS"]
 
 BACKENDS = ("auto", "cpu", "cuda", "torch")
 TILE_SIZE = 16
@@ -207,6 +208,30 @@ def rasterize(
         info["hit_count"] = hits
         info["weight_sum"] = wsum
     return img, alpha, info
+
+
+@torch.no_grad()
+def removal_loss(means: Tensor, quats: Tensor, scales: Tensor, opacities: Tensor, colors: Tensor, viewmats: Tensor,
+                 Ks: Tensor, width: int, height: int, *, sh_degree: int, target: Tensor | None = None,
+                 near_plane: float = 0.01, far_plane: float = 1e10, eps2d: float = 0.3) -> tuple[Tensor, Tensor]:
+    """For every Gaussian, how much the squared error of C views would grow if it ALONE were removed.
+
+    Inputs as :func:`rasterize` (SH colours ``[N, K, 3]``); ``target`` ``[C, H, W, 3]`` (the render itself when
+    None, giving the pure removal energy). Returns ``(render [C, H, W, 3], increase [C, N])`` in squared
+    [0, 1] units summed over pixels and channels; see :func:`splatflow.render.cpu.removal_loss_cpu`. Exact for
+    single removals (each pixel is affine in one Gaussian's alpha), computed by the CPU kernels whatever the
+    machine (pruning scores a model once, so there is no GPU version).
+    """
+    from .cpu import project_cpu, removal_loss_cpu
+
+    dev = means.device
+    a = [t.detach().cpu() for t in (means, quats, scales, opacities, colors, viewmats, Ks)]
+    proj = project_cpu(*a[:5], a[5], a[6], width, height, near_plane=near_plane, far_plane=far_plane, eps2d=eps2d,
+                       antialiased=False, radius_clip=0.0, sh_degree=sh_degree)
+    img, inc = removal_loss_cpu(proj["means2d"], proj["conics"], proj["colors"], proj["opacities"], proj["radii"],
+                                proj["depths"], int(width), int(height),
+                                target=None if target is None else target.detach().cpu())
+    return img.to(dev), inc.to(dev)
 
 
 def _rasterize_cuda(means, quats, scales, opacities, colors, viewmats, Ks, width, height, *, sh_degree, near_plane,

@@ -266,7 +266,7 @@ def reduce_stats(ids, isect_w, isect_hits, G):
 
 @nb.njit(parallel=True, cache=True, fastmath=True)
 def rasterize_bwd(offsets, ids, means2d, conics, colors, opacities, radii, backgrounds, T_final, last_ids,
-                  v_out, v_alpha_out, n_cams, width, height, tiles_x, tiles_y, fast_exp, n_par):
+                  v_out, v_alpha_out, n_cams, width, height, tiles_x, tiles_y, fast_exp, n_par, want_removal=False):
     """Analytic backward, per tile, back to front (the adjoint of :func:`rasterize_fwd`).
 
     For pixel transmittance ``T_i`` before Gaussian i, ``C = sum_i c_i a_i T_i + T_final bg`` and
@@ -277,12 +277,16 @@ def rasterize_bwd(offsets, ids, means2d, conics, colors, opacities, radii, backg
 
     Returns per-Gaussian rows [G, 8 + D]: d mean2d (2), d conic (3), d opacity, |d mean2d| summed per pixel (2,
     gsplat's ``absgrad``), d colour (D).
+
+    ``want_removal`` appends two columns, what removing each Gaussian would do to the image: the change of
+    pixel ``p`` is exactly ``R_p = a_i (c_i T_i - (S_i + T_final bg) / (1 - a_i))`` (the pixel is affine in
+    ``a_i``, and ``R_p = a_i dC/da_i``); the columns are ``sum_p R_p . dL/dC_p`` and ``sum_p |R_p|^2``.
     """
     D = colors.shape[1]
     G = means2d.shape[0]
     n_tiles = tiles_x * tiles_y
     M = ids.shape[0]
-    NG = 8 + D
+    NG = 8 + D + (2 if want_removal else 0)
     per_isect = np.zeros((M, NG), np.float64)
     n_tot = n_cams * n_tiles
     per = (n_tot + n_par - 1) // n_par
@@ -344,6 +348,8 @@ def rasterize_bwd(offsets, ids, means2d, conics, colors, opacities, radii, backg
             v_op = 0.0
             abs_x = 0.0
             abs_y = 0.0
+            rem_lin = 0.0
+            rem_sq = 0.0
             for d in range(D):
                 vcol[d] = 0.0
             for py in range(ya, yb + 1):
@@ -372,8 +378,13 @@ def rasterize_bwd(offsets, ids, means2d, conics, colors, opacities, radii, backg
                         c = colors[g, d]
                         vcol[d] += fac * vo[li, d]
                         v_alpha += (c * T - buf[li, d] * ra) * vo[li, d]
+                        if want_removal:
+                            r = alpha * (c * T - (buf[li, d] + Tf[li] * backgrounds[cam, d]) * ra)
+                            rem_sq += r * r
                         buf[li, d] += c * fac
                     v_alpha += Tf[li] * ra * va[li]
+                    if want_removal:
+                        rem_lin += alpha * v_alpha
                     if a0 <= ALPHA_MAX:
                         v_sigma = -a0 * v_alpha
                         v_ca += 0.5 * v_sigma * dx * dx
@@ -396,6 +407,9 @@ def rasterize_bwd(offsets, ids, means2d, conics, colors, opacities, radii, backg
             per_isect[k, 7] = abs_y
             for d in range(D):
                 per_isect[k, 8 + d] = vcol[d]
+            if want_removal:
+                per_isect[k, 8 + D] = rem_lin
+                per_isect[k, 9 + D] = rem_sq
     grads = np.zeros((G, NG), np.float64)
     for k in range(M):
         g = ids[k]

@@ -25,6 +25,27 @@ def _np(t: Tensor, dtype: torch.dtype | None = None) -> np.ndarray:
     return t.contiguous().numpy()
 
 
+def _binned(means2d, conics, colors, opacities, radii, depths, backgrounds, tiles_x, tiles_y):
+    """The kernels' inputs: depth-sorted tile lists ``(offsets, ids)`` and flat float64 arrays of the [C, N, ...]
+    tensors, in the order the compositing kernels take them.
+
+    The kernels always run on float64 arrays (one compiled specialisation instead of two: numba compile time is
+    the larger cost in tests); float32 inputs only switch exp() to float32 (``fast_exp``).
+    """
+    C, N, D = colors.shape
+    G = C * N
+    f64 = torch.float64
+    m2 = _np(means2d.reshape(G, 2), f64)
+    con = _np(conics.reshape(G, 3), f64)
+    col = _np(colors.reshape(G, D), f64)
+    op = _np(opacities.reshape(G), f64)
+    rad = _np(radii.reshape(G, 2), torch.int32)
+    order = np.argsort(_np(depths.reshape(G)), kind="stable")
+    bg = _np(backgrounds, f64) if backgrounds is not None else np.zeros((C, D), np.float64)
+    offsets, ids = K.bin_tiles(m2, rad, order, N, C, tiles_x, tiles_y)
+    return offsets, ids, m2, con, col, op, rad, bg
+
+
 class _RasterizeTiles(torch.autograd.Function):
     @staticmethod
     def forward(ctx, means2d, conics, colors, opacities, backgrounds, radii, depths, width, height, absgrad,
@@ -33,17 +54,8 @@ class _RasterizeTiles(torch.autograd.Function):
         dt = colors.dtype
         G = C * N
         tiles_x, tiles_y = tile_grid(width, height, K.TILE)
-        # The kernels always run on float64 arrays (one compiled specialisation instead of two: numba compile time
-        # is the larger cost in tests); float32 inputs only switch exp() to float32 (``fast_exp``).
-        f64 = torch.float64
-        m2 = _np(means2d.reshape(G, 2), f64)
-        con = _np(conics.reshape(G, 3), f64)
-        col = _np(colors.reshape(G, D), f64)
-        op = _np(opacities.reshape(G), f64)
-        rad = _np(radii.reshape(G, 2), torch.int32)
-        order = np.argsort(_np(depths.reshape(G)), kind="stable")
-        bg = _np(backgrounds, f64) if backgrounds is not None else np.zeros((C, D), np.float64)
-        offsets, ids = K.bin_tiles(m2, rad, order, N, C, tiles_x, tiles_y)
+        offsets, ids, m2, con, col, op, rad, bg = _binned(means2d, conics, colors, opacities, radii, depths,
+                                                          backgrounds, tiles_x, tiles_y)
         out, T_final, last, isect_w, isect_hits = K.rasterize_fwd(
             offsets, ids, m2, con, col, op, rad, bg, C, width, height, tiles_x, tiles_y, bool(want_stats),
             dt == torch.float32, numba.get_num_threads(),
@@ -185,3 +197,31 @@ def project_cpu(means, quats, scales, opacities, sh, viewmats, Ks, width, height
     )
     return {"means2d": m2, "conics": con, "depths": dep, "opacities": op, "radii": radii,
             "valid": (radii > 0).all(-1), "colors": col if sh is not None else None}
+
+
+@torch.no_grad()
+def removal_loss_cpu(means2d: Tensor, conics: Tensor, colors: Tensor, opacities: Tensor, radii: Tensor,
+                     depths: Tensor, width: int, height: int, target: Tensor | None = None,
+                     backgrounds: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """What removing each Gaussian ALONE would cost: the growth of the summed squared error over the image.
+
+    Returns ``(img [C, H, W, D], increase [C, N])``. With the render ``C``, the target ``Y`` (``target``; the
+    render itself when None) and ``R_j`` the exact change of the image when Gaussian ``j`` is taken out
+    (:func:`._kernels.rasterize_bwd`, ``want_removal``), the increase is
+    ``sum_p |C_p - R_jp - Y_p|^2 - |C_p - Y_p|^2 = sum_p |R_jp|^2 - 2 R_jp . (C_p - Y_p)``: negative for a
+    Gaussian whose removal makes the image better. One forward and one backward pass of the kernels.
+    """
+    C, N, D = colors.shape
+    tiles_x, tiles_y = tile_grid(width, height, K.TILE)
+    offsets, ids, m2, con, col, op, rad, bg = _binned(means2d, conics, colors, opacities, radii, depths,
+                                                      backgrounds, tiles_x, tiles_y)
+    fast = colors.dtype == torch.float32
+    n_par = numba.get_num_threads()
+    out, T_final, last, _, _ = K.rasterize_fwd(offsets, ids, m2, con, col, op, rad, bg, C, width, height, tiles_x,
+                                               tiles_y, False, fast, n_par)
+    resid = np.zeros_like(out) if target is None else out - _np(target, torch.float64).reshape(out.shape)
+    rows = K.rasterize_bwd(offsets, ids, m2, con, col, op, rad, bg, T_final, last, resid,
+                           np.zeros(T_final.shape, np.float64), C, width, height, tiles_x, tiles_y, fast, n_par,
+                           True)  # [C * N, 10 + D]
+    increase = rows[:, 9 + D] - 2.0 * rows[:, 8 + D]
+    return torch.from_numpy(out).to(colors.dtype), torch.from_numpy(increase).reshape(C, N)

@@ -556,12 +556,16 @@ def train(scene, cfg: TrainConfig, **kwargs) -> TrainResult:
 
 
 def finetune(splats: dict[str, torch.Tensor], scene, steps: int, cfg: TrainConfig, *, sh_degree: int,
-             seed: int = 0, progress: bool = False, backend: str | None = None) -> dict[str, torch.Tensor]:
+             seed: int = 0, progress: bool = False, backend: str | None = None,
+             means_lr_factor: float | None = None) -> dict[str, torch.Tensor]:
     """Recovery fine-tuning after pruning: ``steps`` plain steps on the training views, no densification.
 
-    Full resolution, no blur, fixed ``sh_degree``, the position learning rate at its final (decayed) value and
-    the other rates of ``cfg.lr`` (the schedule of the end of training, as e.g. LightGaussian's recovery step,
-    Fan et al. 2023). Returns new float32 CPU parameters in the checkpoint layout; ``splats`` is not modified.
+    Full resolution, no blur, fixed ``sh_degree`` and the rates of ``cfg.lr``. The position learning rate is
+    ``cfg.lr.means`` x scene scale x ``means_lr_factor``, constant; by default (None) the factor is training's
+    final one, ``cfg.lr.means_final_factor`` (the end-of-training schedule of LightGaussian's recovery step,
+    Fan et al. 2023). Pruning passes a larger factor (``prune.finetune_means_lr``) so the survivors can move into
+    the gaps the removed Gaussians leave. Returns new float32 CPU parameters in the checkpoint layout; ``splats``
+    is not modified.
     """
     from dataclasses import replace
 
@@ -569,9 +573,10 @@ def finetune(splats: dict[str, torch.Tensor], scene, steps: int, cfg: TrainConfi
                    early_stop=replace(cfg.early_stop, enabled=False),
                    backend=backend or cfg.backend)
     sc = scene_scale(np.stack([v.world_to_cam for v in scene.train_views]))
+    means_f = cfg.lr.means_final_factor if means_lr_factor is None else means_lr_factor
     sched = Schedules(resolution=ResolutionSchedule((0,), (1.0,)), blur=BlurSchedule(0.0, 0),
                       sh=SHSchedule(sh_degree, 1, start_degree=sh_degree),
-                      means_lr=ExpDecay(cfg.lr.means * sc * cfg.lr.means_final_factor, 1.0, cfg2.max_steps))
+                      means_lr=ExpDecay(cfg.lr.means * sc * means_f, 1.0, cfg2.max_steps))
     if steps <= 0:
         return {k: v.detach().clone() for k, v in splats.items()}
     state = random.getstate(), np.random.get_state(), torch.get_rng_state()
