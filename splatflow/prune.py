@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import abc
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -166,8 +167,9 @@ def removal_scores(splats: dict[str, torch.Tensor], sh_degree: int, cameras: Seq
 
     Unlike the significance, which counts how much a Gaussian is SEEN, this counts what it is WORTH: a large
     Gaussian whose colour matches what lies behind or around it costs little to remove, a small one that draws
-    an edge costs a lot. Exact per Gaussian (:func:`splatflow.render.removal_loss`); the interactions of removing
-    many at once are left to the recovery fine-tune.
+    an edge costs a lot. Exact per Gaussian (:func:`splatflow.render.removal_loss`); what removing many at once
+    does is left to the re-scored rounds and the recovery fine-tune (:func:`prune_phases`). ``targets`` is
+    indexed view by view, so it may decode on demand (:class:`CachedImages`).
     """
     from splatflow.render import removal_loss
 
@@ -175,7 +177,8 @@ def removal_scores(splats: dict[str, torch.Tensor], sh_degree: int, cameras: Seq
     n = a["means"].shape[0]
     total = torch.zeros(n, dtype=torch.float64)
     sh = a["colors"][:, : (sh_degree + 1) ** 2]
-    for cam, tgt in tqdm(list(zip(cameras, targets)), desc="removal cost", disable=not progress, leave=False):
+    for i in tqdm(range(len(cameras)), desc="removal cost", disable=not progress, leave=False):
+        cam, tgt = cameras[i], targets[i]
         viewmat = torch.as_tensor(cam.world_to_cam, dtype=torch.float32)[None]  # [1, 4, 4]
         K = torch.as_tensor(cam.K, dtype=torch.float32)[None]  # [1, 3, 3]
         _, inc = removal_loss(a["means"], a["quats"], a["scales"], a["opacities"], sh, viewmat, K, cam.width,
@@ -341,26 +344,33 @@ def prune_phases(splats: dict[str, torch.Tensor], sh_degree: int, *, score_camer
 
 
 def val_set(scene, n_views: int, factor: float, image_cache_mb: int = 256) -> tuple[list[Camera], list[torch.Tensor]]:
-    """Validation cameras and targets: ``n_views`` evenly spaced TRAINING views at ``factor`` (never test views)."""
-    return training_images(scene, val_indices(len(scene.train_views), n_views), factor, image_cache_mb)
-
-
-def training_images(scene, indices: Sequence[int], factor: float,
-                    image_cache_mb: int = 256) -> tuple[list[Camera], list[torch.Tensor]]:
-    """Cameras and images ``[H, W, 3]`` of the TRAINING views ``indices`` at ``factor``.
+    """Validation cameras and targets: ``n_views`` evenly spaced TRAINING views at ``factor`` (never test views).
 
     Images come from the training image cache (area-downsampled, intrinsics scaled to match).
     """
-    from splatflow.train.images import ImageCache
+    idx = val_indices(len(scene.train_views), n_views)
+    images = CachedImages([scene.train_views[i] for i in idx], factor, image_cache_mb)
+    return cameras_at(images.cache.views, factor), [images[i] for i in range(len(images))]
 
-    views = list(scene.train_views)
-    cache = ImageCache(views, image_cache_mb)
-    cams, targets = [], []
-    for i in indices:
-        img, K = cache.get(i, factor)  # [H, W, 3], [3, 3]
-        cams.append(Camera(np.asarray(views[i].world_to_cam, dtype=np.float64), K, img.shape[1], img.shape[0]))
-        targets.append(img)
-    return cams, targets
+
+class CachedImages(abc.Sequence):
+    """The TRAINING images ``[H, W, 3]`` at ``factor``, decoded on demand through an LRU
+    :class:`~splatflow.train.images.ImageCache` of ``image_cache_mb`` (all views of a large scene at full
+    resolution need not fit in memory at once). Matches :func:`cameras_at` view for view."""
+
+    def __init__(self, views: Sequence, factor: float, image_cache_mb: int = 256):
+        from splatflow.train.images import ImageCache
+
+        self.cache = ImageCache(views, image_cache_mb)
+        self.factor = float(factor)
+
+    def __len__(self) -> int:
+        return len(self.cache.views)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return self.cache.get(i, self.factor)[0]
 
 
 def run_prune(cfg, train_cfg, *, train_ckpt, out_ckpt, undistorted_dir=None, split_json=None, scene=None,
@@ -401,11 +411,9 @@ def run_prune(cfg, train_cfg, *, train_ckpt, out_ckpt, undistorted_dir=None, spl
             return _finetune(s, scene, steps, train_cfg, sh_degree=deg, seed=seed, progress=cfg.progress,
                              backend=cfg.backend, means_lr_factor=cfg.finetune_means_lr)
 
-        if cfg.score == "removal":
-            score_cams, score_targets = training_images(scene, range(len(scene.train_views)), cfg.score_factor,
-                                                        image_cache_mb=train_cfg.image_cache_mb)
-        else:
-            score_cams, score_targets = cameras_at(scene.train_views, cfg.score_factor), None
+        score_cams = cameras_at(scene.train_views, cfg.score_factor)
+        score_targets = (CachedImages(scene.train_views, cfg.score_factor, train_cfg.image_cache_mb)
+                         if cfg.score == "removal" else None)
         result = prune_phases(
             splats, sh_degree, score_cameras=score_cams, val_cameras=val_cams, val_targets=val_targets,
             keep_fractions=schedule, finetune=recover, finetune_steps=cfg.finetune_steps,

@@ -264,6 +264,19 @@ def test_recovery_position_learning_rate(scene_files):
     assert moved[None] <= max(cfg.lr.means * sc * cfg.lr.means_final_factor, 4.0 * 2.0**-23) * 1.05
 
 
+def test_cached_training_images_match_their_cameras(scene_files):
+    """The removal score's targets: decoded on demand within the cache budget, each the size of its camera."""
+    views = scene_files.scene.train_views
+    images = prune.CachedImages(views, 0.5, image_cache_mb=0)  # a zero budget keeps only the last image
+    cams = prune.cameras_at(views, 0.5)
+    assert len(images) == len(cams) == 3
+    for img, cam in zip(images, cams):
+        assert img.shape == (cam.height, cam.width, 3) and img.dtype == torch.float32
+    assert len(images.cache._cache) == 1
+    with pytest.raises(IndexError):
+        images[3]
+
+
 def test_keep_schedule():
     fr = prune.keep_schedule(0.6, 0.7, 6)
     assert [round(f, 4) for f in fr] == [0.6, 0.42, 0.294, 0.2058, 0.1441, 0.1008]
