@@ -299,15 +299,17 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class PruneConfig:
-    """Global-significance pruning with recovery (LightGaussian, Fan et al. 2023; issue 5).
+    """Phased pruning with recovery after LightGaussian (Fan et al. 2023; issue 5), each Gaussian scored by the
+    exact cost of removing it (``score: removal``, the default) or by LightGaussian's global significance.
 
     Phase ``k`` (0-based) keeps ``keep_first * keep_decay**k`` of the TRAINED model's Gaussians (defaults:
     0.6, 0.42, ..., 0.10 after six phases); each phase is followed by ``finetune_steps * keep**-finetune_growth``
     steps of recovery training without densification. Pruning stops early, keeping the last accepted phase, when
     the PSNR on ``val_views`` TRAINING views (never test views) falls more than ``max_psnr_drop_db`` below the
-    unpruned model's. ``enabled: false``, ``phases: 0`` or a schedule that keeps everything is a no-op that still writes
-    the outputs. ``volume_beta``/``volume_ref_quantile``: the volume weight ``clamp(V / V_ref, 0, 1)**beta`` with
-    ``V_ref`` the volume that a fraction ``1 - volume_ref_quantile`` of the Gaussians exceed (paper: 90%).
+    unpruned model's. ``enabled: false``, ``phases: 0`` or a schedule that keeps everything is a no-op that still
+    writes the outputs. ``volume_beta``/``volume_ref_quantile`` (significance only): the volume weight
+    ``clamp(V / V_ref, 0, 1)**beta`` with ``V_ref`` the volume that a fraction ``1 - volume_ref_quantile`` of the
+    Gaussians exceed (paper: 90%).
     """
 
     enabled: bool = True

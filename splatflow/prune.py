@@ -350,7 +350,7 @@ def val_set(scene, n_views: int, factor: float, image_cache_mb: int = 256) -> tu
     """
     idx = val_indices(len(scene.train_views), n_views)
     images = CachedImages([scene.train_views[i] for i in idx], factor, image_cache_mb)
-    return cameras_at(images.cache.views, factor), [images[i] for i in range(len(images))]
+    return cameras_at(images.cache.views, factor), list(images)
 
 
 class CachedImages(abc.Sequence):
