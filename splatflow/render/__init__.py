@@ -220,7 +220,7 @@ def removal_loss(means: Tensor, quats: Tensor, scales: Tensor, opacities: Tensor
     None, giving the pure removal energy). Returns ``(render [C, H, W, 3], increase [C, N])`` in squared
     [0, 1] units summed over pixels and channels; see :func:`splatflow.render.cpu.removal_loss_cpu`. Exact for
     single removals (each pixel is affine in one Gaussian's alpha), computed by the CPU kernels whatever the
-    machine (pruning scores a model once, so there is no GPU version).
+    machine (there is no GPU version; pruning calls it a few times per phase, not per training step).
     """
     from .cpu import project_cpu, removal_loss_cpu
 
