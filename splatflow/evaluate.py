@@ -132,7 +132,7 @@ class PreparedModel:
                                  int(view.width), int(view.height), sh_degree=self.sh_degree, backend=backend)
         if dev.type == "cuda":
             torch.cuda.synchronize()  # so the caller's wall clock measures the render, not the launch
-        return colors[0, ..., :3].clamp(0.0, 1.0).cpu()  # [H, W, 3]
+        return colors[0, ..., :3].clamp(0.0, 1.0)  # [H, W, 3] on the model's device
 
 
 def model_size_mb(splats: dict) -> float:
@@ -156,14 +156,16 @@ def evaluate(splats: dict, sh_degree: int, test_views: list, cfg: EvaluateConfig
     import pandas as pd
     from tqdm import tqdm
 
-    from splatflow.render import resolve_backend
+    from splatflow import device as devices
 
     if not test_views:
         raise UserError("the split has no test views, so there is nothing to evaluate; check data/<scene>/split.json "
                         "(split.every_n in params.yaml) and rerun the split stage")
-    backend = resolve_backend(cfg.backend)
-    model = PreparedModel.from_splats(splats, sh_degree, device="cuda" if backend == "cuda" else "cpu")
-    lpips = lpips if lpips is not None else LpipsSet(cfg.lpips_variants, cfg.lpips_backbone_dir)
+    run_dev = devices.resolve(cfg.backend)
+    backend, dev = run_dev.backend, run_dev.device
+    devices.reset_peak_memory(run_dev)
+    model = PreparedModel.from_splats(splats, sh_degree, device=dev)
+    lpips = (lpips if lpips is not None else LpipsSet(cfg.lpips_variants, cfg.lpips_backbone_dir)).to(dev)
 
     rows = []
     with torch.no_grad():
@@ -172,7 +174,8 @@ def evaluate(splats: dict, sh_degree: int, test_views: list, cfg: EvaluateConfig
             t0 = time.perf_counter()
             render = model.render(view, backend)  # [H, W, 3]
             seconds = time.perf_counter() - t0
-            gt = read_rgb(Path(view.image_path), int(view.width), int(view.height))  # [H, W, 3]
+            # one image pair on the device at a time: decoded on the host, uploaded, freed after the view
+            gt = read_rgb(Path(view.image_path), int(view.width), int(view.height)).to(dev)  # [H, W, 3]
             if cfg.quantize_8bit:
                 render = quantize_8bit(render)
             x, y = render.permute(2, 0, 1)[None], gt.permute(2, 0, 1)[None]  # [1, 3, H, W]
@@ -181,7 +184,7 @@ def evaluate(splats: dict, sh_degree: int, test_views: list, cfg: EvaluateConfig
                    "ssim": ssim(x, y), **{v: lp.get(v) for v in ("lpips_vgg_01", "lpips_vgg", "lpips_alex")},
                    "render_seconds": seconds}
             if renders_dir is not None and cfg.save_renders:
-                save_side_by_side(Path(renders_dir) / Path(view.name).with_suffix(".png"), render, gt,
+                save_side_by_side(Path(renders_dir) / Path(view.name).with_suffix(".png"), render.cpu(), gt.cpu(),
                                   cfg.error_gain)
             del render, gt, x, y
             row["rss_mb"] = rss_mb()
@@ -206,6 +209,7 @@ def evaluate(splats: dict, sh_degree: int, test_views: list, cfg: EvaluateConfig
         "model_size_mb": round(model_size_mb(splats), 4),
         "peak_rss_mb_evaluate": round(peak_rss_mb(), 1),
         "peak_rss_mb_train": _train_peak_rss(train_json),
+        "device": devices.run_record(run_dev),
         "protocol": {
             "views": "test views of the split only (training images are never opened)",
             "split_rule": split_rule,

@@ -194,7 +194,8 @@ def load_lpips(net: str, backbone_dir: str | Path | None = None, linear_dir: str
     lfile = ldir / f"{net}.pth"
     if not lfile.is_file():
         return LpipsResult(None, f"LPIPS linear-layer file {lfile} not found")
-    model = LPIPS(net)
+    with torch.device("cpu"):  # built on the host whatever the default device; LpipsSet.to() moves it
+        model = LPIPS(net)
     try:
         model.load_backbone(torch.load(bfile, map_location="cpu", weights_only=True))
         model.load_linear(torch.load(lfile, map_location="cpu", weights_only=True))
@@ -223,6 +224,13 @@ class LpipsSet:
 
     def reason(self, variant: str) -> str | None:
         return self.reasons.get(VARIANTS[variant][0])
+
+    def to(self, device: torch.device | str) -> "LpipsSet":
+        """Move the networks to ``device`` (LPIPS runs where the images are); returns self."""
+        for net, model in self.models.items():
+            if model is not None:
+                self.models[net] = model.to(device)
+        return self
 
     @torch.no_grad()
     def __call__(self, x01: torch.Tensor, y01: torch.Tensor) -> dict[str, float | None]:

@@ -94,12 +94,12 @@ def init_splats(points: np.ndarray, colors_u8: np.ndarray, *, sh_degree: int = 3
     dist = np.maximum(dist, max(floor, 1e-7))
     means = torch.from_numpy(points.copy())  # [N, 3]
     scales = torch.log(torch.from_numpy(dist * init_scale)).unsqueeze(-1).repeat(1, 3)  # [N, 3]
-    quats = torch.zeros(n, 4)
+    quats = torch.zeros(n, 4, device="cpu")
     quats[:, 0] = 1.0  # identity rotation, wxyz
-    opacities = torch.full((n,), math.log(init_opacity / (1.0 - init_opacity)))  # logit
+    opacities = torch.full((n,), math.log(init_opacity / (1.0 - init_opacity)), device="cpu")  # logit
     rgb = torch.from_numpy(np.asarray(colors_u8, dtype=np.float32) / 255.0)  # [N, 3]
     sh0 = rgb_to_sh0(rgb).unsqueeze(1)  # [N, 1, 3]
-    shN = torch.zeros(n, num_sh_bases(sh_degree) - 1, 3)  # [N, K-1, 3]
+    shN = torch.zeros(n, num_sh_bases(sh_degree) - 1, 3, device="cpu")  # [N, K-1, 3]
     return {"means": means, "quats": quats, "scales": scales, "opacities": opacities,
             "sh0": sh0.contiguous(), "shN": shN}
 

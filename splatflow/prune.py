@@ -107,7 +107,7 @@ def volume_weight(log_scales: torch.Tensor, beta: float = 0.1, ref_quantile: flo
     """
     n = log_scales.shape[0]
     if n == 0 or beta == 0.0:
-        return torch.ones(n, dtype=torch.float64)
+        return torch.ones(n, dtype=torch.float64, device=log_scales.device)
     log_v = log_scales.double().sum(dim=-1)  # [N] log volume (up to the constant 4/3 pi)
     idx = min(n - 1, max(0, int(math.floor(ref_quantile * n))))
     log_ref = torch.sort(log_v).values[idx]
@@ -135,7 +135,7 @@ def view_weight_sums(splats: dict[str, torch.Tensor], cameras: Sequence[Camera],
     backend, dev = _backend_device(backend)
     a = {k: v.to(dev) for k, v in activated(splats).items()}
     n = a["means"].shape[0]
-    total = torch.zeros(n, dtype=torch.float64)
+    total = torch.zeros(n, dtype=torch.float64, device="cpu")  # scores live on the host
     if n == 0:
         return total
     rgb = torch.zeros(n, 3, device=dev)  # [N, 3]: weights do not depend on colour
@@ -170,17 +170,22 @@ def removal_scores(splats: dict[str, torch.Tensor], sh_degree: int, cameras: Seq
     an edge costs a lot. Exact per Gaussian (:func:`splatflow.render.removal_loss`); what removing many at once
     does is left to the re-scored rounds and the recovery fine-tune (:func:`prune_phases`). ``targets`` is
     indexed view by view, so it may decode on demand (:class:`CachedImages`).
+
+    This score runs on the CPU kernels whatever the run's device: it needs, per pixel, every Gaussian's
+    contribution and the colour composited behind it, which only our numba backward exposes (gsplat's CUDA
+    backward sums them into gradients). On a GPU run the splats are copied to the host for scoring; the recovery
+    fine-tune and the validation renders stay on the GPU.
     """
     from splatflow.render import removal_loss
 
-    a = activated(splats)
+    a = {k: v.cpu() for k, v in activated(splats).items()}  # the removal kernels are the CPU ones (see below)
     n = a["means"].shape[0]
-    total = torch.zeros(n, dtype=torch.float64)
+    total = torch.zeros(n, dtype=torch.float64, device="cpu")
     sh = a["colors"][:, : (sh_degree + 1) ** 2]
     for i in tqdm(range(len(cameras)), desc="removal cost", disable=not progress, leave=False):
         cam, tgt = cameras[i], targets[i]
-        viewmat = torch.as_tensor(cam.world_to_cam, dtype=torch.float32)[None]  # [1, 4, 4]
-        K = torch.as_tensor(cam.K, dtype=torch.float32)[None]  # [1, 3, 3]
+        viewmat = torch.as_tensor(cam.world_to_cam, dtype=torch.float32, device="cpu")[None]  # [1, 4, 4]
+        K = torch.as_tensor(cam.K, dtype=torch.float32, device="cpu")[None]  # [1, 3, 3]
         _, inc = removal_loss(a["means"], a["quats"], a["scales"], a["opacities"], sh, viewmat, K, cam.width,
                               cam.height, sh_degree=sh_degree, target=tgt[None])
         total += inc[0].double()
@@ -240,6 +245,8 @@ def mean_psnr(splats: dict[str, torch.Tensor], sh_degree: int, cameras: Sequence
     """Mean per-view PSNR (dB) of renders against ``targets`` ``[H, W, 3]`` in [0, 1]."""
     from splatflow.metrics import psnr
 
+    _, dev = _backend_device(backend)
+    splats = {k: v.to(dev) for k, v in splats.items()}  # once, not per view
     vals = [psnr(render_rgb(splats, sh_degree, cam, backend), tgt) for cam, tgt in zip(cameras, targets)]
     return float(np.mean(vals)) if vals else float("nan")
 
@@ -382,8 +389,11 @@ def run_prune(cfg, train_cfg, *, train_ckpt, out_ckpt, undistorted_dir=None, spl
     be given instead of ``undistorted_dir``/``split_json``. The written checkpoint holds ``splats``,
     ``sh_degree`` and the training ``step`` only (no optimizer state).
     """
+    from splatflow import device as devices
     from splatflow.model import load_checkpoint, save_checkpoint
 
+    run_dev = devices.resolve(cfg.backend)  # the validation renders and the recovery fine-tunes run here
+    devices.reset_peak_memory(run_dev)
     ckpt = load_checkpoint(train_ckpt)
     splats, sh_degree = _checked_splats(ckpt, train_ckpt)
     if scene is None:
@@ -429,7 +439,8 @@ def run_prune(cfg, train_cfg, *, train_ckpt, out_ckpt, undistorted_dir=None, spl
              "val_psnr_after", "phases", "stopped_early", "stop_reason")
     metrics = {k: r[k] for k in order}
     metrics.update({"keep_fraction_final": r["gaussians_after"] / max(1, r["gaussians_before"]),
-                    "val_views": len(val_cams), "val_factor": cfg.val_factor, "sh_degree": sh_degree})
+                    "val_views": len(val_cams), "val_factor": cfg.val_factor, "sh_degree": sh_degree,
+                    "device": devices.run_record(run_dev)})
     return metrics
 
 

@@ -196,9 +196,18 @@ def _backend_tag(params: Any) -> dict[str, str]:
     if train is not None and hasattr(train, "backend"):
         tags["train.backend"] = str(train.backend)
     torch = sys.modules.get("torch")  # never import torch just for a tag
-    if torch is not None:
-        tags["backend"] = "cuda" if torch.cuda.is_available() else "cpu"
+    if torch is not None:  # whether a GPU exists; what each stage actually ran on is tagged by log_result
+        tags["gpu_available"] = str(bool(torch.cuda.is_available())).lower()
     return tags
+
+
+def device_tags(stage: str, metrics: dict) -> dict[str, str]:
+    """``<stage>.backend``, ``<stage>.device_name``, ``<stage>.torch``, ... from a stage's ``device`` record
+    (:func:`splatflow.device.run_record`): the backend and versions that actually ran."""
+    rec = (metrics or {}).get("device")
+    if not isinstance(rec, dict):
+        return {}
+    return {f"{stage}.{k}": str(v) for k, v in rec.items() if isinstance(v, str)}
 
 
 # --------------------------------------------------------------------------------------------- params / metrics
@@ -401,7 +410,8 @@ class StageTracker:
         """Log a stage's final metrics as ``<stage>.<name>`` (called by stage_main after ``run``)."""
         self.result = dict(metrics or {})
         if self.active:
-            self._safe(_log_batch, self.client, self.run_id, metrics=numeric_metrics(self.result, self.stage))
+            self._safe(_log_batch, self.client, self.run_id, metrics=numeric_metrics(self.result, self.stage),
+                       tags=device_tags(self.stage, self.result))
 
     def log_artifacts(self, files: Iterable[Path]) -> None:
         if self.active:

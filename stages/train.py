@@ -55,6 +55,7 @@ def run(params: Params, paths: ScenePaths) -> dict:
         "val_psnr": None if res.val_psnr is None else round(res.val_psnr, 4),
         "refine_events": len(refine),
         "resumed_from": res.resumed_from,
+        "device": res.device,  # backend, device name, versions, peak GPU memory (null on the CPU)
     }
 
 

@@ -17,6 +17,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from splatflow.errors import UserError
+
 from .projection import gaussian_colors, project_gaussians, tile_grid
 from .threads import configure_threads, warmup
 
@@ -27,8 +29,9 @@ BACKENDS = ("auto", "cpu", "cuda", "torch")
 TILE_SIZE = 16
 
 
-class CudaUnavailableError(RuntimeError):
-    """``backend="cuda"`` was requested on a machine where ``torch.cuda.is_available()`` is False."""
+class CudaUnavailableError(UserError):
+    """``backend="cuda"`` was requested on a machine where ``torch.cuda.is_available()`` is False (a user error:
+    stages print it without a traceback)."""
 
 
 def resolve_backend(backend: str) -> str:
@@ -160,7 +163,7 @@ def rasterize(
     if render_mode == "RGB+ED":
         feats = torch.cat([rgb, proj["depths"][..., None]], dim=-1)  # [C, N, D+1]
         if bgs is not None:
-            bgs = torch.cat([bgs, torch.zeros(C, 1, dtype=bgs.dtype)], dim=-1)  # depth background is 0
+            bgs = torch.cat([bgs, bgs.new_zeros(C, 1)], dim=-1)  # depth background is 0
     if bgs is not None and tuple(bgs.shape) != (C, feats.shape[-1]):
         raise ValueError(f"backgrounds must be [C, {feats.shape[-1] - (render_mode == 'RGB+ED')}], got {tuple(backgrounds.shape)}")
 
@@ -254,7 +257,7 @@ def _rasterize_cuda(means, quats, scales, opacities, colors, viewmats, Ks, width
             dev = means.device
             _, _, hits, wsum = rasterize_cpu(
                 info["means2d"].detach().cpu(), info["conics"].detach().cpu(),
-                torch.zeros(viewmats.shape[0], means.shape[0], 1, dtype=means.dtype),
+                torch.zeros(viewmats.shape[0], means.shape[0], 1, dtype=means.dtype, device="cpu"),
                 info["opacities"].detach().cpu(), info["radii"].cpu(), info["depths"].detach().cpu(),
                 width, height, return_stats=True,
             )

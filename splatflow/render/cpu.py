@@ -67,10 +67,10 @@ class _RasterizeTiles(torch.autograd.Function):
             wsum = torch.from_numpy(w).to(dt).reshape(C, N)
             hits = torch.from_numpy(h).reshape(C, N)
         else:
-            wsum = torch.zeros(C, N, dtype=dt)
-            hits = torch.zeros(C, N, dtype=torch.int32)
+            wsum = torch.zeros(C, N, dtype=dt, device="cpu")
+            hits = torch.zeros(C, N, dtype=torch.int32, device="cpu")
         ctx.mark_non_differentiable(hits, wsum)
-        ctx.save_for_backward(means2d, backgrounds if backgrounds is not None else torch.empty(0))
+        ctx.save_for_backward(means2d, backgrounds if backgrounds is not None else torch.empty(0, device="cpu"))
         ctx.arrays = (offsets, ids, m2, con, col, op, rad, bg, T_final, last)
         ctx.shape = (C, N, D, width, height, tiles_x, tiles_y)
         ctx.absgrad = absgrad
@@ -85,9 +85,9 @@ class _RasterizeTiles(torch.autograd.Function):
         C, N, D, width, height, tiles_x, tiles_y = ctx.shape
         dt = ctx.dtype
         if v_img is None:
-            v_img = torch.zeros(C, height, width, D, dtype=dt)
+            v_img = torch.zeros(C, height, width, D, dtype=dt, device="cpu")
         if v_alpha is None:
-            v_alpha = torch.zeros(C, height, width, 1, dtype=dt)
+            v_alpha = torch.zeros(C, height, width, 1, dtype=dt, device="cpu")
         grads = K.rasterize_bwd(
             offsets, ids, m2, con, col, op, rad, bg, T_final, last,
             _np(v_img, torch.float64), _np(v_alpha[..., 0], torch.float64), C, width, height, tiles_x, tiles_y,

@@ -192,15 +192,15 @@ def project_gaussians(
             & (m2[..., 1] - rad_y < height)
         )
         valid = valid & on_screen & torch.isfinite(rad_x) & torch.isfinite(rad_y)
-        radii = torch.stack([rad_x, rad_y], dim=-1).where(valid[..., None], torch.zeros((), dtype=rad_x.dtype))
+        radii = torch.stack([rad_x, rad_y], dim=-1).where(valid[..., None], rad_x.new_zeros(()))
         radii = radii.to(torch.int32)  # [C, N, 2]
 
     vmask = valid[..., None]
     return {
-        "means2d": torch.where(vmask, means2d, torch.zeros((), dtype=means2d.dtype)),  # [C, N, 2]
-        "conics": torch.where(vmask, conics, torch.zeros((), dtype=conics.dtype)),  # [C, N, 3]
-        "depths": torch.where(valid, z, torch.zeros((), dtype=z.dtype)),  # [C, N]
-        "opacities": torch.where(valid, opac, torch.zeros((), dtype=opac.dtype)),  # [C, N]
+        "means2d": torch.where(vmask, means2d, means2d.new_zeros(())),  # [C, N, 2]
+        "conics": torch.where(vmask, conics, conics.new_zeros(())),  # [C, N, 3]
+        "depths": torch.where(valid, z, z.new_zeros(())),  # [C, N]
+        "opacities": torch.where(valid, opac, opac.new_zeros(())),  # [C, N]
         "radii": radii,
         "valid": valid,
     }

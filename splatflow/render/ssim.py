@@ -24,9 +24,10 @@ C1 = 0.01**2
 C2 = 0.03**2
 
 
-def gaussian_window_1d(size: int = WINDOW, sigma: float = SIGMA, dtype: torch.dtype = torch.float32) -> Tensor:
-    """Normalised 1-D Gaussian taps [size] (the 3DGS ``gaussian(window_size, 1.5)``)."""
-    x = torch.arange(size, dtype=torch.float64) - size // 2
+def gaussian_window_1d(size: int = WINDOW, sigma: float = SIGMA, dtype: torch.dtype = torch.float32,
+                       device: torch.device | str = "cpu") -> Tensor:
+    """Normalised 1-D Gaussian taps [size] (the 3DGS ``gaussian(window_size, 1.5)``) on ``device``."""
+    x = torch.arange(size, dtype=torch.float64, device=device) - size // 2
     g = torch.exp(-(x * x) / (2.0 * sigma * sigma))
     return (g / g.sum()).to(dtype)
 
@@ -34,7 +35,7 @@ def gaussian_window_1d(size: int = WINDOW, sigma: float = SIGMA, dtype: torch.dt
 def _blur(x: Tensor) -> Tensor:
     """Separable Gaussian filter with zero 'same' padding on [B, Ch, H, W]."""
     ch = x.shape[1]
-    g = gaussian_window_1d(dtype=x.dtype)
+    g = gaussian_window_1d(dtype=x.dtype, device=x.device)
     pad = WINDOW // 2
     x = F.conv2d(x, g.view(1, 1, 1, WINDOW).expand(ch, 1, 1, WINDOW), padding=(0, pad), groups=ch)
     return F.conv2d(x, g.view(1, 1, WINDOW, 1).expand(ch, 1, WINDOW, 1), padding=(pad, 0), groups=ch)
@@ -94,7 +95,7 @@ def ssim(x: Tensor, y: Tensor) -> Tensor:
 def ssim_map_reference(x: Tensor, y: Tensor) -> Tensor:
     """Direct (non-separable, autograd) SSIM map, kept for documentation and cross-checks."""
     ch = x.shape[1]
-    g = gaussian_window_1d(dtype=x.dtype)
+    g = gaussian_window_1d(dtype=x.dtype, device=x.device)
     w = (g[:, None] * g[None, :]).expand(ch, 1, WINDOW, WINDOW)
     conv = lambda t: F.conv2d(t, w, padding=WINDOW // 2, groups=ch)  # noqa: E731
     mx, my = conv(x), conv(y)

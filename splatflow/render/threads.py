@@ -59,14 +59,14 @@ def warmup() -> float:
     for dtype in (torch.float32,):
         g = torch.Generator().manual_seed(0)
         N = 8
-        means = (torch.randn(N, 3, generator=g, dtype=dtype) * 0.3).requires_grad_()
-        quats = torch.randn(N, 4, generator=g, dtype=dtype).requires_grad_()
-        scales = torch.full((N, 3), 0.1, dtype=dtype).requires_grad_()
-        opac = torch.full((N,), 0.5, dtype=dtype).requires_grad_()
-        sh = torch.randn(N, 16, 3, generator=g, dtype=dtype).mul(0.1).requires_grad_()
-        view = torch.eye(4, dtype=dtype)[None].clone()
+        means = (torch.randn(N, 3, generator=g, dtype=dtype, device="cpu") * 0.3).requires_grad_()
+        quats = torch.randn(N, 4, generator=g, dtype=dtype, device="cpu").requires_grad_()
+        scales = torch.full((N, 3), 0.1, dtype=dtype, device="cpu").requires_grad_()
+        opac = torch.full((N,), 0.5, dtype=dtype, device="cpu").requires_grad_()
+        sh = torch.randn(N, 16, 3, generator=g, dtype=dtype, device="cpu").mul(0.1).requires_grad_()
+        view = torch.eye(4, dtype=dtype, device="cpu")[None].clone()
         view[0, 2, 3] = 3.0
-        K = torch.tensor([[[40.0, 0, 16], [0, 40.0, 16], [0, 0, 1]]], dtype=dtype)
+        K = torch.tensor([[[40.0, 0, 16], [0, 40.0, 16], [0, 0, 1]]], dtype=dtype, device="cpu")
         img, alpha, info = rasterize(means, quats, scales, opac, sh, view, K, 32, 32, sh_degree=3,
                                      backend="cpu", render_mode="RGB+ED", return_stats=True, absgrad=True)
         (img.sum() + alpha.sum()).backward()

@@ -82,10 +82,14 @@ class ImageCache:
         self._put(key, arr)
         return arr
 
-    def get(self, i: int, factor: float) -> tuple[torch.Tensor, np.ndarray]:
-        """``(image [H, W, 3] float32 in [0, 1], K [3, 3])`` of view ``i`` at resolution ``factor``."""
+    def get(self, i: int, factor: float, device: torch.device | str = "cpu") -> tuple[torch.Tensor, np.ndarray]:
+        """``(image [H, W, 3] float32 in [0, 1] on device, K [3, 3])`` of view ``i`` at resolution ``factor``.
+
+        The cache holds uint8 on the host; the upload to a GPU moves those bytes (4x fewer than float32) and
+        converts there.
+        """
         arr = self._get_u8(i, factor)
         v = self.views[i]
         h, w = arr.shape[:2]
-        img = torch.from_numpy(arr).float().mul_(1.0 / 255.0)  # [H, W, 3]
+        img = torch.from_numpy(arr).to(device).float().mul_(1.0 / 255.0)  # [H, W, 3]
         return img, scale_intrinsics(v.K, v.width, v.height, w, h)

@@ -27,6 +27,9 @@ import numpy as np
 import torch
 
 from splatflow.config import TrainConfig, section_dict
+from splatflow.device import reset_peak_memory, run_record
+from splatflow.device import resolve as resolve_device
+from splatflow.device import to_device
 from splatflow.errors import UserError
 from splatflow.model import SPLAT_KEYS, init_splats, load_checkpoint, save_checkpoint, scene_scale
 from splatflow.train.images import ImageCache
@@ -129,6 +132,7 @@ class TrainResult:
     events: list[dict] = field(default_factory=list)
     initial_psnr: float | None = None
     resumed_from: int | None = None  # step of the unfinished checkpoint this run continued, if any
+    device: dict = field(default_factory=dict)  # splatflow.device.run_record: what ran, peak GPU memory
 
 
 def rendered(info: dict) -> torch.Tensor:
@@ -161,14 +165,21 @@ class Trainer:
         self.loss_fn: Callable = photometric_loss
         self.views = list(scene.train_views)
         self.cache = ImageCache(self.views, cfg.image_cache_mb)
-        self.viewmats = [torch.from_numpy(np.asarray(v.world_to_cam, dtype=np.float32)) for v in self.views]
+        # One device for the whole run (CUDA with a GPU and backend auto/cuda, else the CPU): every tensor below
+        # is made on it or moved to it; images are decoded on the host and uploaded per step (train/images.py).
+        self.run_device = resolve_device(cfg.backend)
+        self.device = self.run_device.device
+        reset_peak_memory(self.run_device)
+        self.viewmats = [torch.as_tensor(np.asarray(v.world_to_cam, dtype=np.float32), device=self.device)
+                         for v in self.views]  # [4, 4] each
         self.scene_scale = scene_scale(np.stack([v.world_to_cam for v in self.views]))  # training cameras only
         self.sched = schedules or Schedules.from_config(cfg, self.scene_scale)
         if splats is None:
             splats = init_splats(scene.points, scene.colors, sh_degree=cfg.sh_degree,
                                  init_opacity=cfg.init_opacity, init_scale=cfg.init_scale)
         self.initial_count = int(splats["means"].shape[0])
-        self.params = {k: torch.nn.Parameter(splats[k].detach().clone().float()) for k in SPLAT_KEYS}
+        self.params = {k: torch.nn.Parameter(splats[k].detach().to(self.device, torch.float32, copy=True))
+                       for k in SPLAT_KEYS}
         lrs = {"means": self.sched.means_lr.lr(0), "scales": cfg.lr.scales, "quats": cfg.lr.quats,
                "opacities": cfg.lr.opacities, "sh0": cfg.lr.sh0, "shN": cfg.lr.shN}
         # One Adam per group (gsplat convention: strategies rewrite each optimizer's state when the count
@@ -176,7 +187,8 @@ class Trainer:
         self.optimizers = {k: _adam(self.params[k], lrs[k]) for k in SPLAT_KEYS}
         self.strategy = make_strategy(cfg.densify, max_steps=cfg.max_steps, initial_count=self.initial_count) \
             if densify else None
-        self.strategy_state = self.strategy.initialize_state(scene_scale=self.scene_scale) if self.strategy else {}
+        self.strategy_state = self.strategy.initialize_state(scene_scale=self.scene_scale, device=self.device) \
+            if self.strategy else {}
         es = cfg.early_stop
         patience = max(es.eval_every, int(round(es.patience_steps * cfg.max_steps / es.reference_steps)))
         self.stopper = PlateauStopper(patience, es.min_delta_db,
@@ -204,7 +216,7 @@ class Trainer:
         """
         from splatflow.render import rasterize
 
-        target, K = self.cache.get(i, factor)
+        target, K = self.cache.get(i, factor, device=self.device)
         h, w = target.shape[:2]
         win = patch_window(w, h, self.cfg.patch_max_pixels) if patch else None
         if win is not None:
@@ -215,7 +227,7 @@ class Trainer:
         colors = torch.cat([p["sh0"], p["shN"][:, : k - 1]], dim=1)  # [N, K, 3]
         rgb, _, info = rasterize(
             p["means"], p["quats"], torch.exp(p["scales"]), torch.sigmoid(p["opacities"]), colors,
-            self.viewmats[i][None], torch.from_numpy(K.astype(np.float32))[None], w, h,
+            self.viewmats[i][None], torch.as_tensor(K, dtype=torch.float32, device=self.device)[None], w, h,
             sh_degree=sh_degree, backgrounds=None if background is None else background[None],
             backend=self.cfg.backend, absgrad=self.cfg.densify.absgrad, window=win)
         return rgb[0], target, info  # [H, W, 3]
@@ -244,7 +256,7 @@ class Trainer:
         d = self.cfg.densify
         vis = rendered(info)
         if not bool(vis.any()):
-            return torch.zeros(())
+            return self.params["means"].new_zeros(())
         return d.mcmc_opacity_reg * torch.sigmoid(self.params["opacities"][vis]).mean() \
             + d.mcmc_scale_reg * torch.exp(self.params["scales"][vis]).mean()
 
@@ -258,7 +270,7 @@ class Trainer:
         deg = s.sh.degree(step)
         for g in self.optimizers["means"].param_groups:
             g["lr"] = s.means_lr.lr(step)
-        bg = torch.rand(3) if cfg.random_background else None
+        bg = torch.rand(3, device=self.device) if cfg.random_background else None
         rgb, target, info = self.render(i, factor, deg, bg, patch=True)
         if self.strategy is not None:
             self.strategy.step_pre_backward(self.params, self.optimizers, self.strategy_state, step, info)
@@ -354,8 +366,13 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------ state
     def state_dict(self, finished: bool, stopped: str = "") -> dict:
+        """Everything an exact resume needs, with every tensor on the CPU (a checkpoint does not depend on the
+        device it was written on: :meth:`load_state_dict` moves it to this run's device)."""
+        rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+        if self.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.device)
         return {
-            "splats": {k: v.detach().clone() for k, v in self.params.items()},
+            "splats": {k: v.detach().cpu().clone() for k, v in self.params.items()},
             "sh_degree": self.sched.sh.degree(max(self.step - 1, 0)),
             "step": self.step,
             "finished": finished,
@@ -364,27 +381,29 @@ class Trainer:
             "seed": self.seed,
             "scene_scale": self.scene_scale,
             "initial_count": self.initial_count,
-            "optimizers": {k: o.state_dict() for k, o in self.optimizers.items()},
-            "strategy_state": self.strategy_state,
+            "optimizers": to_device({k: o.state_dict() for k, o in self.optimizers.items()}, "cpu"),
+            "strategy_state": to_device(self.strategy_state, "cpu"),
             "stopper": self.stopper.state_dict(),
-            "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+            "rng": rng,
             "elapsed_seconds": self.elapsed_s,
             "events": self.events,
             "val_psnr": self.val_psnr,
         }
 
     def load_state_dict(self, ckpt: dict) -> None:
-        self.params = {k: torch.nn.Parameter(ckpt["splats"][k].clone()) for k in SPLAT_KEYS}
+        self.params = {k: torch.nn.Parameter(ckpt["splats"][k].to(self.device, copy=True)) for k in SPLAT_KEYS}
         for k in SPLAT_KEYS:
             opt = _adam(self.params[k], 1.0)
-            opt.load_state_dict(ckpt["optimizers"][k])
+            opt.load_state_dict(to_device(ckpt["optimizers"][k], self.device))
             self.optimizers[k] = opt
-        self.strategy_state = ckpt["strategy_state"]
+        self.strategy_state = to_device(ckpt["strategy_state"], self.device)
         self.initial_count = int(ckpt["initial_count"])
         self.stopper.load_state_dict(ckpt["stopper"])
         torch.set_rng_state(ckpt["rng"]["torch"])
         np.random.set_state(ckpt["rng"]["numpy"])
         random.setstate(ckpt["rng"]["python"])
+        if self.device.type == "cuda" and "cuda" in ckpt["rng"]:  # a CPU checkpoint resumed on a GPU reseeds it
+            torch.cuda.set_rng_state(ckpt["rng"]["cuda"], self.device)
         self.step = int(ckpt["step"])
         self.elapsed_s = float(ckpt["elapsed_seconds"])
         self.events = list(ckpt.get("events", []))
@@ -514,13 +533,13 @@ class Trainer:
             ckpt = load_checkpoint(self.ckpt_path)  # the last good parameters
             splats = {k: ckpt["splats"][k] for k in SPLAT_KEYS}
         else:
-            splats = {k: v.detach().clone() for k, v in self.params.items()}
+            splats = {k: v.detach().cpu().clone() for k, v in self.params.items()}  # results live on the host
         train_s = self.elapsed_s
         return TrainResult(splats=splats, sh_degree=self.sched.sh.degree(max(self.step - 1, 0)), steps=self.step,
                            stopped=stopped, train_seconds=train_s,
                            it_per_s=done / max(self.elapsed_s - t_start, 1e-9) if done else 0.0,
                            val_psnr=self.val_psnr, events=list(self.events), initial_psnr=initial_psnr,
-                           resumed_from=self.resumed_from)
+                           resumed_from=self.resumed_from, device=run_record(self.run_device))
 
     def _install_sigterm(self):
         if threading.current_thread() is not threading.main_thread():

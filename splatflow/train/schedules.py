@@ -126,7 +126,7 @@ def gaussian_blur(img: torch.Tensor, sigma_px: float) -> torch.Tensor:
         return img
     radius = max(1, int(math.ceil(3.0 * sigma_px)))
     radius = min(radius, img.shape[-1] - 1, img.shape[-2] - 1)
-    x = torch.arange(-radius, radius + 1, dtype=img.dtype)
+    x = torch.arange(-radius, radius + 1, dtype=img.dtype, device=img.device)
     k = torch.exp(-0.5 * (x / sigma_px) ** 2)
     k = k / k.sum()  # [2r+1]
     c = img.shape[1]

@@ -10,8 +10,13 @@ event in ``self.last_event`` (clones, splits, prunes, relocations, additions and
   score-ordered, budget-limited growth of Taming 3DGS (Mallick et al. 2024, §4.2), with the gradient as score.
   Deviation from gsplat 1.5.3: its opacity reset test ``step % reset_every == 0 & step > 0`` is never true
   (operator precedence); we reset as the 3DGS reference does, every ``reset_every`` steps while refining.
-* :class:`TorchMCMCStrategy`: gsplat's ``MCMCStrategy`` (3DGS as MCMC, Kheradmand et al. 2024) with the CUDA
-  relocation kernel and the CUDA covariance in the noise step replaced by torch code.
+* :class:`TorchMCMCStrategy`: gsplat's ``MCMCStrategy`` (3DGS as MCMC, Kheradmand et al. 2024). On a GPU it
+  runs gsplat's own relocation / sample-add / noise ops (CUDA kernels); on the CPU, where those kernels do not
+  exist, the same math in torch.
+
+Device: the state is created on the run's device (``initialize_state(..., device=)``) and everything these
+strategies allocate follows the parameters' device. gsplat's ops are called inside ``torch.device(...)`` of the
+parameters, because one of them (``reset_opa``) builds a tensor without a device.
 """
 
 from __future__ import annotations
@@ -22,8 +27,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from gsplat.strategy import DefaultStrategy, MCMCStrategy
-from gsplat.strategy.ops import (_multinomial_sample, _update_param_with_optimizer, duplicate, remove,
-                                 reset_opa, split)
+from gsplat.strategy.ops import (_multinomial_sample, _update_param_with_optimizer, duplicate,
+                                 inject_noise_to_position, remove, reset_opa, split)
 from gsplat.utils import normalized_quat_to_rotmat
 
 
@@ -42,6 +47,10 @@ class BudgetedDefaultStrategy(DefaultStrategy):
         self.cap = int(cap)
         self.last_event: dict | None = None
 
+    def initialize_state(self, scene_scale: float = 1.0, device: torch.device | str = "cpu") -> dict[str, Any]:
+        # gsplat's state holds no tensors until the first step (grad2d/count are made on the gradients' device)
+        return super().initialize_state(scene_scale=scene_scale)
+
     def step_pre_backward(self, params, optimizers, state, step, info):
         info[self.key_for_gradient].retain_grad()
 
@@ -53,8 +62,8 @@ class BudgetedDefaultStrategy(DefaultStrategy):
         scale = grad.new_tensor([info["width"] / 2.0 * info["n_cameras"], info["height"] / 2.0 * info["n_cameras"]])
         n = params["means"].shape[0]
         if state["grad2d"] is None or state["grad2d"].shape[0] != n:
-            state["grad2d"] = torch.zeros(n)
-            state["count"] = torch.zeros(n)
+            state["grad2d"] = grad.new_zeros(n)  # [N]
+            state["count"] = grad.new_zeros(n)  # [N]
         sel = _visible(info)  # [C, N]
         norms = (grad * scale).norm(dim=-1)  # [C, N] gradient in NDC units, as the 3DGS reference
         state["grad2d"] += (norms * sel).sum(dim=0)
@@ -74,7 +83,8 @@ class BudgetedDefaultStrategy(DefaultStrategy):
             self.last_event = {"step": step, "clones": n_clone, "splits": n_split, "prunes": n_prune,
                                "before": n_before, "gaussians": params["means"].shape[0]}
         if self.reset_every > 0 and step > 0 and step % self.reset_every == 0:
-            reset_opa(params=params, optimizers=optimizers, state=state, value=self.prune_opa * 2.0)
+            with torch.device(params["means"].device):
+                reset_opa(params=params, optimizers=optimizers, state=state, value=self.prune_opa * 2.0)
             ev = self.last_event or {"step": step, "clones": 0, "splits": 0, "prunes": 0,
                                      "gaussians": params["means"].shape[0]}
             ev["opacity_reset"] = True
@@ -99,7 +109,7 @@ class BudgetedDefaultStrategy(DefaultStrategy):
         n_clone, n_split = int(is_clone.sum()), int(is_split.sum())
         if n_clone > 0:
             duplicate(params=params, optimizers=optimizers, state=state, mask=is_clone)
-        is_split = torch.cat([is_split, torch.zeros(n_clone, dtype=torch.bool)])  # clones are not split
+        is_split = torch.cat([is_split, is_split.new_zeros(n_clone)])  # clones are not split
         if n_split > 0:
             split(params=params, optimizers=optimizers, state=state, mask=is_split,
                   revised_opacity=self.revised_opacity)
@@ -119,14 +129,14 @@ class BudgetedDefaultStrategy(DefaultStrategy):
 # ------------------------------------------------------------------------------------------------ MCMC
 
 
-def relocation_coefficients(n_max: int) -> torch.Tensor:
+def relocation_coefficients(n_max: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """``coef[r, k]`` such that the 3DGS-MCMC scale-preserving denominator for ``r`` copies is
     ``sum_k coef[r, k] * o_new**(k+1)``  (float64, ``[n_max + 1, n_max]``).
 
     Kheradmand et al. 2024, Eq. 9: ``denom = sum_{i=1}^{r} sum_{k=0}^{i-1} C(i-1, k) (-1)^k o_new^(k+1) / sqrt(k+1)``.
     Swapping the sums, the coefficient of ``o_new^(k+1)`` is ``(-1)^k / sqrt(k+1) * sum_{i=k+1}^{r} C(i-1, k)``.
     """
-    coef = torch.zeros(n_max + 1, n_max, dtype=torch.float64)
+    coef = torch.zeros(n_max + 1, n_max, dtype=torch.float64, device=device)
     for r in range(1, n_max + 1):
         for k in range(r):
             s = sum(math.comb(i - 1, k) for i in range(k + 1, r + 1))
@@ -146,7 +156,7 @@ def compute_relocation_torch(opacities: torch.Tensor, scales: torch.Tensor, rati
     r = ratios.clamp(1, n_max).long()
     o = opacities.double()
     o_new = 1.0 - torch.pow(1.0 - o, 1.0 / r.double())  # [M]
-    powers = o_new.unsqueeze(-1) ** torch.arange(1, n_max + 1, dtype=torch.float64)  # [M, n_max]
+    powers = o_new.unsqueeze(-1) ** torch.arange(1, n_max + 1, dtype=torch.float64, device=o.device)  # [M, n_max]
     denom = (coef[r] * powers).sum(-1)  # [M]
     factor = o / denom
     return o_new.float(), scales * factor.float().unsqueeze(-1)
@@ -160,18 +170,32 @@ class TorchMCMCStrategy(MCMCStrategy):
         super().__init__(**kwargs)
         self.last_event: dict | None = None
 
-    def initialize_state(self, scene_scale: float = 1.0) -> dict[str, Any]:
-        return {"coef": relocation_coefficients(51)}
+    def initialize_state(self, scene_scale: float = 1.0, device: torch.device | str = "cpu") -> dict[str, Any]:
+        if torch.device(device).type == "cuda":  # gsplat's kernels take binomial coefficients
+            n = 51
+            binoms = torch.tensor([[math.comb(i, k) if k <= i else 0 for k in range(n)] for i in range(n)],
+                                  dtype=torch.float32, device=device)  # [n, n]
+            return {"binoms": binoms}
+        return {"coef": relocation_coefficients(51, device=device)}
 
     def step_post_backward(self, params, optimizers, state, step, info, lr: float = 0.0):
         self.last_event = None
+        on_gpu = "binoms" in state and params["means"].is_cuda
         if self.refine_start_iter < step < self.refine_stop_iter and step % self.refine_every == 0:
             n_before = params["means"].shape[0]
-            n_reloc = self._relocate(params, optimizers, state["coef"])
-            n_add = self._add(params, optimizers, state["coef"])
+            if on_gpu:  # gsplat's CUDA relocation and sample-add kernels
+                n_reloc = int(self._relocate_gs(params, optimizers, state["binoms"]))
+                n_add = int(self._add_new_gs(params, optimizers, state["binoms"]))
+            else:
+                n_reloc = self._relocate(params, optimizers, state["coef"])
+                n_add = self._add(params, optimizers, state["coef"])
             self.last_event = {"step": step, "relocated": n_reloc, "added": n_add, "clones": 0, "splits": 0,
                                "prunes": 0, "before": n_before, "gaussians": params["means"].shape[0]}
-        self._inject_noise(params, lr * self.noise_lr)
+        if on_gpu:
+            if lr * self.noise_lr > 0:
+                inject_noise_to_position(params=params, optimizers=optimizers, state={}, scaler=lr * self.noise_lr)
+        else:
+            self._inject_noise(params, lr * self.noise_lr)
 
     @torch.no_grad()
     def _sample(self, params, coef, candidates: torch.Tensor, n: int):
@@ -214,7 +238,7 @@ class TorchMCMCStrategy(MCMCStrategy):
         n = max(0, min(self.cap_max, int(1.05 * n_now)) - n_now)
         if n == 0:
             return 0
-        idx, new_o, new_s = self._sample(params, coef, torch.arange(n_now), n)
+        idx, new_o, new_s = self._sample(params, coef, torch.arange(n_now, device=coef.device), n)
 
         def param_fn(name, p):
             if name == "opacities":
@@ -224,7 +248,7 @@ class TorchMCMCStrategy(MCMCStrategy):
             return torch.nn.Parameter(torch.cat([p, p[idx]]), requires_grad=p.requires_grad)
 
         def optimizer_fn(key, v):
-            return torch.cat([v, torch.zeros((n, *v.shape[1:]), dtype=v.dtype)])
+            return torch.cat([v, v.new_zeros((n, *v.shape[1:]))])
 
         _update_param_with_optimizer(param_fn, optimizer_fn, params, optimizers)
         return n
