@@ -147,3 +147,14 @@ def load_splats(path: str | Path) -> tuple[dict[str, torch.Tensor], int]:
         raise UserError(f"{path}: checkpoint lacks {', '.join(missing)}; delete it and rerun the stage")
     splats = {k: splats[k].detach().float().cpu() for k in SPLAT_KEYS}
     return splats, int(ckpt.get("sh_degree", 0))
+
+
+def activated_for_render(splats: dict[str, torch.Tensor], sh_degree: int,
+                         device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """Rasterizer inputs from stored parameters, on ``device``: real scales, opacities in [0, 1], and the SH
+    bands up to ``sh_degree`` as ``colors [N, (sh_degree+1)^2, 3]``."""
+    s = {k: splats[k].to(device) for k in SPLAT_KEYS}
+    k = (sh_degree + 1) ** 2
+    return {"means": s["means"], "quats": s["quats"], "scales": torch.exp(s["scales"]),
+            "opacities": torch.sigmoid(s["opacities"]),
+            "colors": torch.cat([s["sh0"], s["shN"][:, : k - 1]], dim=1)}  # [N, K, 3]

@@ -14,7 +14,10 @@ from splatflow.stage import stage_main
 
 
 def run(params: Params, paths: ScenePaths) -> dict:
+    from splatflow.device import resolve
+
     cfg = params.evaluate
+    resolve(cfg.backend)  # a missing GPU or a broken gsplat build is reported before anything else
     renders = paths.renders_dir
     if renders.exists():  # no stale images of views that are no longer test views
         for old in renders.rglob("*.png"):

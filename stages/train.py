@@ -25,9 +25,11 @@ def _step_logger():
 
 def run(params: Params, paths: ScenePaths) -> dict:
     """Train scene ``paths.scene``; write the checkpoint and CSV; return the metrics dict."""
+    from splatflow.device import resolve
     from splatflow.scene.dataset import load_scene
     from splatflow.train import train
 
+    resolve(params.train.backend)  # a missing GPU or a broken gsplat build is reported before anything else
     if not paths.undistorted_dir.exists():
         raise UserError(f"{paths.undistorted_dir}: not found; run the sfm stage first (`dvc repro sfm@{paths.scene}`)")
     if not paths.split_json.exists():

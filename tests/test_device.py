@@ -10,6 +10,7 @@ Also here: checkpoints are device-independent (every tensor saved on the CPU, lo
 """
 
 import json
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -194,3 +195,30 @@ def test_tiny_training_on_cuda(scene, tmp_path, strategy):
     ckpt = load_checkpoint(tmp_path / "c.pt")
     assert all(v.device.type == "cpu" for v in ckpt["splats"].values())
     assert np.isfinite(float(ckpt["splats"]["means"].sum()))
+
+
+def test_backend_cuda_without_a_gpu_stops_the_stage_like_any_user_error(tmp_path):
+    from tests._project import make_project, run
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    root = make_project(tmp_path / "p", overrides={"train": {"backend": "cuda"}}, generate=False)
+    p = run([sys.executable, "-m", "stages.train", "tiny"], root, check=False)
+    assert p.returncode == 2, p.stderr
+    assert "needs a CUDA GPU" in p.stderr and "backend='cpu'" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_gsplat_kernels_that_cannot_load_give_a_clear_error(monkeypatch):
+    import types
+
+    from splatflow import device
+
+    fake = types.ModuleType("gsplat.cuda._backend")
+    fake._C = None  # what gsplat leaves when its JIT build fails
+    monkeypatch.setitem(sys.modules, "gsplat.cuda._backend", fake)
+    monkeypatch.setattr(device, "_GSPLAT_CHECKED", False)
+    with pytest.raises(device.GsplatUnavailableError) as e:
+        device.check_gsplat_cuda()
+    msg = str(e.value)
+    assert "nvcc" in msg and "ninja" in msg and "backend" in msg and "Traceback" not in msg

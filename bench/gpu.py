@@ -1,0 +1,128 @@
+"""Benchmark: the GPU path end to end on the 36-view 800x600 benchmark scene (``bench/train_demo.py``'s).
+
+Trains with the DEFAULT ``train`` params on CUDA (``backend: cuda``: gsplat's kernels, every tensor on the GPU),
+then renders the test views on the GPU and prints wall time, steps/s, test PSNR, Gaussians and peak GPU memory
+(allocated and reserved). With ``--compare-cpu`` it also runs ``--cpu-steps`` steps of the same run on the CPU
+backend and prints the steps/s ratio measured in this one run. On a machine without a GPU it says so and exits 0
+without figures (so a CPU-only CI can call it).
+
+    python bench/gpu.py [--work DIR] [--json PATH] [--max-steps N] [--compare-cpu] [--cpu-steps 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("SPLATFLOW_TRACKING", "off")
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+
+@torch.no_grad()
+def test_psnr_on(splats, sh_degree, views, device) -> list[float]:
+    """Per-view test PSNR, rendering on ``device`` (one image pair there at a time)."""
+    from splatflow.model import activated_for_render
+    from splatflow.render import rasterize
+    from splatflow.train.images import read_rgb
+
+    a = activated_for_render(splats, sh_degree, device)
+    out = []
+    for v in views:
+        gt = torch.from_numpy(read_rgb(v.image_path)).to(device).float() / 255.0  # [H, W, 3]
+        rgb, _, _ = rasterize(a["means"], a["quats"], a["scales"], a["opacities"], a["colors"],
+                              torch.as_tensor(v.world_to_cam, dtype=torch.float32, device=device)[None],
+                              torch.as_tensor(v.K, dtype=torch.float32, device=device)[None], v.width, v.height,
+                              sh_degree=sh_degree, backend="cuda" if device.type == "cuda" else "cpu")
+        mse = float(((rgb[0].clamp(0, 1) - gt) ** 2).mean())
+        out.append(-10.0 * math.log10(mse))
+    return out
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--work", type=Path, default=Path("/tmp/splatflow_gpu_bench"))
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--max-steps", type=int, default=None, help="override train.max_steps (default: params.yaml)")
+    ap.add_argument("--compare-cpu", action="store_true", help="also time CPU steps of the same run")
+    ap.add_argument("--cpu-steps", type=int, default=300)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="CPU threads for --compare-cpu")
+    args = ap.parse_args(argv)
+
+    if not torch.cuda.is_available():
+        print(f"bench/gpu.py: no CUDA GPU on this machine (torch {torch.__version__}, "
+              f"torch.cuda.is_available() is False): nothing to measure.")
+        return {}
+
+    from bench.train_demo import prepare
+    from splatflow.config import load_params
+    from splatflow.device import check_gsplat_cuda, reset_peak_memory, resolve, run_record
+    from splatflow.render import configure_threads
+    from splatflow.scene.dataset import load_scene
+    from splatflow.train import Trainer
+
+    configure_threads(args.threads)
+    args.work.mkdir(parents=True, exist_ok=True)
+    t = time.perf_counter()
+    check_gsplat_cuda()  # first use compiles gsplat's kernels: timed on its own, not as training
+    jit_s = time.perf_counter() - t
+    und, split_json, sfm = prepare(args.work, args.threads)
+    scene = load_scene(und, split_json)
+    cfg = replace(load_params(ROOT / "params.yaml").train, backend="cuda", resume=False)
+    if args.max_steps:
+        cfg = replace(cfg, max_steps=args.max_steps)
+    ckpt = args.work / "gpu_ckpt.pt"
+    ckpt.unlink(missing_ok=True)  # a benchmark starts from nothing
+    dev = resolve("cuda")
+    reset_peak_memory(dev)
+    print(f"{torch.cuda.get_device_name(dev.device)}: {len(scene.train_views)} train / {len(scene.test_views)} "
+          f"test views, {cfg.max_steps} steps, strategy {cfg.densify.strategy}; gsplat kernels loaded in "
+          f"{jit_s:.1f} s", flush=True)
+    t0 = time.perf_counter()
+    res = Trainer(scene, cfg, ckpt_path=ckpt, seed=0).run()
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    rec = run_record(dev)
+    psnrs = test_psnr_on(res.splats, res.sh_degree, scene.test_views, dev.device)
+    out = {
+        "device_name": rec["device_name"], "torch": rec["torch"], "gsplat": rec["gsplat"], "cuda": rec["cuda"],
+        "steps": res.steps, "stopped": res.stopped, "train_seconds": round(res.train_seconds, 1),
+        "wall_seconds": round(wall, 1), "steps_per_s": round(res.it_per_s, 2),
+        "psnr_test": round(float(np.mean(psnrs)), 3), "gaussians": int(res.splats["means"].shape[0]),
+        "gpu_peak_allocated_mib": rec["gpu_peak_allocated_mib"], "gpu_peak_reserved_mib": rec["gpu_peak_reserved_mib"],
+        "gsplat_load_seconds": round(jit_s, 1),
+    }
+    print(f"CUDA: {out['steps']} steps in {out['train_seconds']} s ({out['steps_per_s']} steps/s), test PSNR "
+          f"{out['psnr_test']:.2f} dB, {out['gaussians']} Gaussians, peak GPU memory "
+          f"{out['gpu_peak_allocated_mib']} MiB allocated / {out['gpu_peak_reserved_mib']} MiB reserved")
+    if args.compare_cpu:
+        cpu_cfg = replace(cfg, backend="cpu", max_steps=args.cpu_steps,
+                          early_stop=replace(cfg.early_stop, enabled=False))
+        gpu_cfg = replace(cpu_cfg, backend="cuda")
+        rates = {}
+        for name, c in (("cuda", gpu_cfg), ("cpu", cpu_cfg)):  # same steps, same schedule, one run each
+            r = Trainer(scene, c, seed=0).run()
+            rates[name] = r.it_per_s
+        out.update(cpu_steps=args.cpu_steps, cpu_threads=args.threads, cpu_steps_per_s=round(rates["cpu"], 2),
+                   cuda_steps_per_s_same_steps=round(rates["cuda"], 2),
+                   speedup_cuda_over_cpu=round(rates["cuda"] / max(rates["cpu"], 1e-9), 1))
+        print(f"first {args.cpu_steps} steps: CUDA {rates['cuda']:.1f} steps/s, CPU ({args.threads} threads) "
+              f"{rates['cpu']:.1f} steps/s: CUDA {out['speedup_cuda_over_cpu']}x")
+    if args.json:
+        args.json.write_text(json.dumps(dict(out, per_view=[round(p, 3) for p in psnrs]), indent=2))
+    return out
+
+
+if __name__ == "__main__":
+    main()
