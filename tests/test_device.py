@@ -222,3 +222,26 @@ def test_gsplat_kernels_that_cannot_load_give_a_clear_error(monkeypatch):
         device.check_gsplat_cuda()
     msg = str(e.value)
     assert "nvcc" in msg and "ninja" in msg and "backend" in msg and "Traceback" not in msg
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+def test_whole_pipeline_on_cuda_matches_the_cpu_run(tmp_path):
+    """The seven stages through DVC on the tiny scene, once with every backend on CUDA and once on the CPU: the
+    GPU run's test PSNR is within 0.5 dB of the CPU run's, and its metrics say it ran on the GPU."""
+    from tests._project import dvc, make_project
+
+    small = {"max_steps": 600}
+    results = {}
+    for backend in ("cuda", "cpu"):
+        root = make_project(tmp_path / backend, overrides={
+            "train": {**small, "backend": backend}, "prune": {"backend": backend, "phases": 1},
+            "evaluate": {"backend": backend, "lpips_variants": []}})
+        dvc(root, "repro")
+        ev = json.loads((root / "metrics" / "tiny" / "evaluate.json").read_text())
+        tr = json.loads((root / "metrics" / "tiny" / "train.json").read_text())
+        assert tr["device"]["backend"] == backend and ev["device"]["backend"] == backend
+        if backend == "cuda":
+            assert tr["device"]["gpu_peak_allocated_mib"] > 0 and ev["device"]["gpu_peak_reserved_mib"] > 0
+        results[backend] = ev["psnr"]
+    assert abs(results["cuda"] - results["cpu"]) <= 0.5, results
