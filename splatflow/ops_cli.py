@@ -278,8 +278,12 @@ def register(app: typer.Typer) -> None:
                 fmt = lambda v: f"{v:14.6g}" if v is not None else f"{'-':>14s}"  # noqa: E731
                 diff = f"{d.diff:12.3g}" if d.diff is not None else f"{'-':>12s}"
                 typer.echo(f"  {d.key:40s} {fmt(d.original)} {fmt(d.rerun)} {diff}  {mark}")
-            if res.original_run_id:
+            if res.compared:
                 typer.echo("  => " + ("reproduced within tolerance" if res.ok else "metrics DIFFER beyond tolerance"))
+            else:
+                typer.echo(f"  => NOT COMPARED: MLflow has no finished run of scene {res.scene} at commit "
+                           f"{res.commit[:12]} (run the pipeline at that commit first, or pass --run RUN_ID); the "
+                           "rerun's metrics above are logged, nothing was checked")
             bad |= not res.ok
         raise typer.Exit(1 if bad else 0)
 

@@ -275,3 +275,18 @@ def test_rerun_tolerance_rules():
     assert not all(d.ok for d in diff_metrics({q: 2.18e-5}, {q: 5e-3}))
     missing = {d.key: d for d in diff_metrics(orig, {"evaluate.psnr": 25.0})}
     assert not missing["sfm.camera_rotation_error_deg"].ok  # a metric that vanished is a difference
+    # PSNR is judged against the measured run-to-run spread when there is one
+    spread = {d.key: d.ok for d in diff_metrics({"evaluate.psnr": 25.0}, {"evaluate.psnr": 25.4}, psnr_atol=0.5)}
+    assert spread["evaluate.psnr"]
+    assert not all(d.ok for d in diff_metrics({"evaluate.psnr": 25.0}, {"evaluate.psnr": 25.6}, psnr_atol=0.5))
+
+
+def test_rerun_without_an_original_is_not_a_success(tmp_path):
+    from splatflow.orchestrate.rerun import MetricDiff, RerunResult, measured_psnr_spread
+
+    res = RerunResult("demo", "abc", None, "run1", [MetricDiff("evaluate.psnr", None, 25.0, False, True)])
+    assert not res.compared and not res.ok
+    assert measured_psnr_spread(tmp_path) is None
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "variance.json").write_text('{"psnr_spread_db": 0.31}')
+    assert measured_psnr_spread(tmp_path) == 0.31

@@ -11,10 +11,15 @@ Tolerance: a metric matches when ``|rerun - original| <= atol + rtol * |original
 training itself is deterministic on the CPU backend for a fixed seed and thread count.  Wall-clock metrics
 (``*seconds*``, ``*_s``, ``*time*``, ``*per_s*``, ``*fps*``) and memory (``*rss*``) are shown but never judged.
 SfM camera errors, which sit near zero, are judged with the absolute tolerances of :data:`ABS_TOLERANCES`.
+PSNR metrics (``*psnr*``) are judged against the run-to-run spread that ``bench/variance.py`` MEASURED (test PSNR
+over several training seeds, committed as ``bench/variance.json``): ``|diff| <= spread`` when that file exists.
+
+A rerun with no original run of that commit in MLflow compares nothing: it says so and is not a success.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -65,8 +70,13 @@ class RerunResult:
     diffs: list[MetricDiff] = field(default_factory=list)
 
     @property
+    def compared(self) -> bool:
+        """False when there was no original run to compare with (then nothing was checked)."""
+        return self.original_run_id is not None
+
+    @property
     def ok(self) -> bool:
-        return all(d.ok for d in self.diffs if d.judged)
+        return self.compared and all(d.ok for d in self.diffs if d.judged)
 
 
 def find_original(cl, commit: str, scene: str):
@@ -81,9 +91,22 @@ def find_original(cl, commit: str, scene: str):
     return runs[0] if runs else None
 
 
+def measured_psnr_spread(root: str | Path) -> float | None:
+    """The test-PSNR spread over training seeds measured by ``bench/variance.py`` (``bench/variance.json`` of
+    the project at ``root``), in dB; None when it has not been measured there."""
+    f = Path(root) / "bench" / "variance.json"
+    try:
+        v = json.loads(f.read_text())["psnr_spread_db"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return float(v) if isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 else None
+
+
 def diff_metrics(original: dict[str, float], rerun: dict[str, float], rtol: float = RTOL,
-                 atol: float = ATOL) -> list[MetricDiff]:
-    """Final metrics (``<stage>.<name>``; live step curves ``<stage>/<name>`` are left out) side by side."""
+                 atol: float = ATOL, psnr_atol: float | None = None) -> list[MetricDiff]:
+    """Final metrics (``<stage>.<name>``; live step curves ``<stage>/<name>`` are left out) side by side.
+
+    ``psnr_atol`` (dB), when given, is the absolute tolerance of every ``*psnr*`` metric (the measured spread)."""
     keys = sorted(k for k in set(original) | set(rerun) if "/" not in k)
     out = []
     for k in keys:
@@ -92,8 +115,9 @@ def diff_metrics(original: dict[str, float], rerun: dict[str, float], rtol: floa
         if a is None or b is None:
             ok = not judged
         else:
-            abs_tol = max(atol, ABS_TOLERANCES.get(k.rsplit(".", 1)[-1], 0.0),
-                          QUANTISATION_ATOL if ".max_errors." in k else 0.0)
+            name = k.rsplit(".", 1)[-1]
+            abs_tol = max(atol, ABS_TOLERANCES.get(name, 0.0), QUANTISATION_ATOL if ".max_errors." in k else 0.0,
+                          psnr_atol if psnr_atol is not None and "psnr" in name else 0.0)
             ok = math.isclose(b, a, rel_tol=rtol, abs_tol=abs_tol) or not judged
         out.append(MetricDiff(k, a, b, judged, ok))
     return out
@@ -105,6 +129,7 @@ def rerun_commit(main_root: str | Path, rev: str, *, scenes: list[str] | None = 
     """Rerun ``rev`` of the project at ``main_root`` (see module docstring); one result per scene."""
     main_root = tracking.repo_root(main_root)
     commit = resolve_commit(main_root, rev)
+    psnr_atol = measured_psnr_spread(main_root)
     uri = tracking.tracking_uri(main_root)
     cl = tracking.client(uri)
     results = []
@@ -138,9 +163,11 @@ def rerun_commit(main_root: str | Path, rev: str, *, scenes: list[str] | None = 
             finally:
                 tracking.finalize_scene_run(cl, rid, wt, scene, stages, status)
             new = cl.get_run(rid).data.metrics
-            diffs = diff_metrics(orig.data.metrics, new, rtol, atol) if orig is not None else \
+            diffs = diff_metrics(orig.data.metrics, new, rtol, atol, psnr_atol) if orig is not None else \
                 [MetricDiff(k, None, v, False, True) for k, v in sorted(new.items()) if "/" not in k]
             results.append(RerunResult(scene, commit, orig.info.run_id if orig else None, rid, diffs))
-            verdict = "reproduced" if results[-1].ok else "DIFFERS"
-            cl.set_tag(rid, "splatflow.rerun_verdict", f"{verdict} (rtol={rtol}, atol={atol})")
+            verdict = ("not compared (no original run)" if orig is None else
+                       "reproduced" if results[-1].ok else "DIFFERS")
+            cl.set_tag(rid, "splatflow.rerun_verdict",
+                       f"{verdict} (rtol={rtol}, atol={atol}, psnr_atol={psnr_atol})")
     return results
