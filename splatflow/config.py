@@ -193,7 +193,7 @@ class DensifyConfig:
     prune_opa: float = 0.005
     prune_scale3d: float = 0.1
     absgrad: bool = False
-    max_gaussians: int = 1_000_000  # hard cap on the count
+    max_gaussians: int = 120_000  # hard cap on the count (params.yaml's; a 2-core CPU budget, raise it on a GPU)
     # cap = min(max_gaussians, budget_multiplier * initial count); 16x: +0.35 dB test PSNR on the demo over 8x, and
     # the redundancy that lets pruning to 10% cost < 1 dB (bench/RESULTS.md, session 4)
     budget_multiplier: float = 16.0

@@ -14,7 +14,7 @@ whose state is explicit and checkpointed (``state_dict``/``load_state_dict``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -146,7 +146,6 @@ class Schedules:
     blur: BlurSchedule
     sh: SHSchedule
     means_lr: ExpDecay
-    extra: dict = field(default_factory=dict)
 
     @classmethod
     def from_config(cls, cfg, scene_scale: float) -> "Schedules":
