@@ -38,8 +38,17 @@ def check(ok: bool, key: str, allowed: str, value: Any) -> None:
 class SceneSource:
     """One scene: where its raw capture lives and, optionally, its true cameras."""
 
-    source: str  # folder of images or a video file; never modified
+    source: str  # folder of images or a video file; never modified (a COLMAP dataset: its root folder)
     ground_truth: str | None = None  # COLMAP text model folder, generator cameras.json, or Strecha camera folder
+    # An existing COLMAP dataset (Inria / Mip-NeRF 360 layout: images/, optional images_2|4|8/, sparse/0/): the
+    # model folder, relative to ``source`` (or absolute). Set: ingest reads ``source``/images and copies the
+    # images_N levels; the sfm stage imports this model instead of running SfM (splatflow.scene.colmap).
+    colmap: str | None = None
+
+    def __post_init__(self):
+        if self.colmap is not None:
+            check(bool(self.colmap.strip()), "base.scenes.<scene>.colmap",
+                  "a COLMAP model folder such as sparse/0 (relative to source) or null", self.colmap)
 
 
 @dataclass(frozen=True)
@@ -88,6 +97,9 @@ class IngestConfig:
 
 @dataclass(frozen=True)
 class SfmConfig:
+    # Which images share intrinsics: "auto" = one camera per distinct (image size, EXIF make/model/focal length),
+    # "single" = one camera for all (images must share one size), "per_image" = one camera per image.
+    camera_mode: Literal["auto", "single", "per_image"] = "auto"
     camera_model: Literal["SIMPLE_PINHOLE", "PINHOLE", "SIMPLE_RADIAL", "RADIAL", "OPENCV"] = "SIMPLE_RADIAL"
     # "auto": exhaustive up to `exhaustive_max_images` images, sequential beyond (or for video sources).
     matcher: Literal["auto", "exhaustive", "sequential"] = "auto"
@@ -112,8 +124,16 @@ class SplitConfig:
     rule: Literal["every_nth", "fraction"] = "every_nth"
     every_n: int = 8  # index % every_n == 0 is a test view (the standard protocol)
     test_fraction: float = 0.125  # for rule "fraction": evenly spaced test views
+    # named test views (e.g. another tool's hold-out); when given they replace the rule
+    test_names: tuple[str, ...] | None = None
 
     def __post_init__(self):
+        if self.test_names is not None:
+            check(len(self.test_names) >= 1 and all(n.strip() for n in self.test_names), "split.test_names",
+                  "a non-empty list of image names, or null", self.test_names)
+            dup = sorted({n for n in self.test_names if self.test_names.count(n) > 1})
+            check(not dup, "split.test_names", f"a list without repeats ({', '.join(dup)} repeated)",
+                  self.test_names)
         check(self.every_n >= 2, "split.every_n", "an integer >= 2", self.every_n)
         check(0.0 < self.test_fraction < 1.0, "split.test_fraction", "a number in (0, 1)", self.test_fraction)
 

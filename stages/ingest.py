@@ -1,4 +1,5 @@
-"""DVC stage `ingest`: the scene's raw capture -> ``data/<scene>/images/`` + ``metrics/<scene>/ingest.json``.
+"""DVC stage `ingest`: the scene's raw capture -> ``data/<scene>/images/`` (+ ``images_{2,4,8}/``) and
+``metrics/<scene>/ingest.json``.
 
 Thin shell: the work (and the reasons behind each check) lives in :mod:`splatflow.scene.ingest`.
 """
@@ -8,7 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from splatflow.config import Params
+from splatflow.errors import UserError
 from splatflow.paths import ScenePaths
+from splatflow.scene import colmap
 from splatflow.scene.ingest import ingest
 from splatflow.stage import stage_main
 
@@ -20,8 +23,26 @@ def source_path(params: Params, paths: ScenePaths) -> Path:
 
 
 def run(params: Params, paths: ScenePaths) -> dict:
-    """Ingest one scene; returns the metrics dict (images_in, images_kept, rejected, ...)."""
-    result = ingest(source_path(params, paths), paths.images_dir, params.ingest)
+    """Ingest one scene; returns the metrics dict (images_in, images_kept, rejected, ...).
+
+    A COLMAP dataset (``base.scenes.S.colmap`` set) is read from its ``images/`` folder and its ``images_N`` levels
+    are copied to ``data/S/images_N``; for every other scene those level folders are left empty
+    (docs/CONTRACTS.md).
+    """
+    scene = params.scene(paths.scene)
+    source = source_path(params, paths)
+    if scene.colmap is not None:
+        colmap.model_dir(source, scene.colmap)  # fail before any work when the model is not where params say
+        if not (source / "images").is_dir():
+            raise UserError(f"{source}: a COLMAP dataset needs its images in {source / 'images'}; point "
+                            f"base.scenes.{paths.scene}.source at the dataset's root folder")
+    result = ingest(source / "images" if scene.colmap is not None else source, paths.images_dir, params.ingest)
+    if scene.colmap is not None:
+        kept = [(c.source, c.out_name, c.width_px, c.height_px) for c in result.kept]
+        levels = colmap.copy_levels(source, kept, paths.data_dir, params.ingest)
+    else:
+        colmap.empty_levels(paths.data_dir)
+        levels = None
     kept, n_in = len(result.kept), result.images_in
     print(f"ingest [{paths.scene}]: kept {kept} of {n_in} {'frames' if result.source_kind == 'video' else 'files'}"
           f" -> {paths.images_dir}")
@@ -29,6 +50,9 @@ def run(params: Params, paths: ScenePaths) -> dict:
         print(f"  rejected {r.file}: {r.reason}: {r.detail}")
     metrics = result.metrics()
     metrics["source"] = params.scene(paths.scene).source  # as written in params.yaml: same on every clone
+    if levels is not None:
+        metrics["colmap_model"] = scene.colmap
+        metrics["levels"] = levels
     return metrics
 
 

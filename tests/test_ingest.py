@@ -61,7 +61,7 @@ def capture(tmp_path_factory) -> Path:
     Image.fromarray(_crop(96)).save(src / "03_copy.png")
     # a blurred copy of view 05 (a shaken shot)
     _save_jpg(src / "05_blur.jpg", cv2.GaussianBlur(_crop(160), (0, 0), 2.0))
-    # too small, and another size than the majority
+    # too small (rejected), and another size than the majority (kept: several cameras are allowed)
     _save_jpg(src / "06_small.jpg", _crop(192, w=40, h=30))
     _save_jpg(src / "07_odd.jpg", _crop(224, w=200, h=150))
     # a truncated JPEG: the first 60 % of a valid file (OpenCV would decode it with a warning)
@@ -84,7 +84,6 @@ EXPECTED_REJECTIONS = {
     "03_copy.png": "duplicate",
     "05_blur.jpg": "blurry",
     "06_small.jpg": "too_small",
-    "07_odd.jpg": "odd_size",
     "08_trunc.jpg": "unreadable",
     "09_empty.jpg": "empty",
     "10_notes.jpg": "not_image",
@@ -104,14 +103,17 @@ def test_each_bad_file_rejected_with_its_reason(ingested):
     got = {r.file: r.reason for r in result.rejected}
     assert got == EXPECTED_REJECTIONS
     m = result.metrics()
-    assert m["images_in"] == 16 and m["images_kept"] == 9
+    assert m["images_in"] == 16 and m["images_kept"] == 10
+    assert m["image_sizes"] == {f"{W}x{H}": 9, "200x150": 1}  # another size is no longer a reason to reject
+    assert m["image_width_px"] is None and m["image_height_px"] is None
     assert m["rejected_by_reason"] == {r: 1 for r in EXPECTED_REJECTIONS.values()}
     assert m["ignored"] == [".DS_Store"]
     assert json.loads(json.dumps(m)) == m  # JSON-serialisable as it is
     dup = next(r for r in result.rejected if r.reason == "duplicate")
     assert "03.jpg" in dup.detail  # names the image it duplicates
     # stems kept, extension normalised, sorted like the input; only images in the folder (pycolmap reads all)
-    assert sorted(p.name for p in out.iterdir()) == [f"{k:02d}.jpg" for k in range(8)] + ["11_rot.jpg"]
+    assert sorted(p.name for p in out.iterdir()) == [f"{k:02d}.jpg" for k in range(8)] + ["07_odd.jpg",
+                                                                                           "11_rot.jpg"]
     assert [c.out_name for c in result.kept] == sorted(c.out_name for c in result.kept)
 
 
@@ -121,7 +123,8 @@ def test_clean_jpegs_copied_and_others_converted(ingested, capture):
     assert {c.out_name: c.written for c in result.kept}["11_rot.jpg"] == "converted"
     for p in out.iterdir():
         with Image.open(p) as im:
-            assert im.format == "JPEG" and im.mode == "RGB" and im.size == (W, H)
+            assert im.format == "JPEG" and im.mode == "RGB"
+            assert im.size == ((200, 150) if p.name == "07_odd.jpg" else (W, H))
 
 
 def test_exif_rotation_applied_to_pixels(ingested):
@@ -343,7 +346,10 @@ def test_stage_run_writes_images_and_returns_metrics(capture, tmp_path):
     params = params_from_dict({"base": {"scenes": {"s": {"source": str(capture)}}}, "ingest": {"image_format": "png"}})
     paths = ScenePaths("s", tmp_path)
     m = run(params, paths)
-    assert m["images_kept"] == 9 and {r["file"]: r["reason"] for r in m["rejected"]} == EXPECTED_REJECTIONS
+    assert m["images_kept"] == 10 and {r["file"]: r["reason"] for r in m["rejected"]} == EXPECTED_REJECTIONS
     names = sorted(p.name for p in paths.images_dir.iterdir())
-    assert names[0] == "00.png" and len(names) == 9
+    assert names[0] == "00.png" and len(names) == 10
+    # not a COLMAP dataset: the level folders exist (DVC outputs) and are empty
+    assert all(sorted((paths.data_dir / f"images_{n}").iterdir()) == [] for n in (2, 4, 8))
+    assert "levels" not in m
     assert np.array_equal(_decode(paths.images_dir / "01.png"), _decode(capture / "01.jpg"))  # lossless

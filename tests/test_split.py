@@ -56,3 +56,36 @@ def test_write_split_reads_registered_images_of_a_model(tmp_path):
     assert len(split["train"]) == 8
     loaded = load_scene(scene, out)  # the loader accepts what the stage wrote
     assert [v.name for v in loaded.test_views] == split["test"]
+
+
+def test_test_names_pick_exactly_the_named_views_and_replace_the_rule():
+    names = [f"{i:04d}.jpg" for i in range(20)]
+    split = split_names(names, SplitConfig(test_names=("0005.jpg", "0013.jpg")))
+    assert split["test"] == ["0005.jpg", "0013.jpg"]  # not every 8th: 0000, 0008, 0016 train
+    assert split["train"] == [n for n in names if n not in ("0005.jpg", "0013.jpg")]
+    assert split["rule"].startswith("test_names")
+    # ingest may have changed the extension (0005.png -> 0005.jpg): a unique stem still names the view
+    assert split_names(names, SplitConfig(test_names=("0005.png", "0007")))["test"] == ["0005.jpg", "0007.jpg"]
+
+
+def test_unknown_or_all_test_names_are_clear_errors():
+    names = [f"{i:04d}.jpg" for i in range(12)]
+    with pytest.raises(UserError) as e:
+        split_names(names, SplitConfig(test_names=("0005.jpg", "IMG_9999.jpg")))
+    msg = str(e.value)
+    assert "split.test_names" in msg and "'IMG_9999.jpg'" in msg and "0000.jpg" in msg and "12 in all" in msg
+    assert "0005.jpg'" not in msg  # only the unknown name is reported
+    with pytest.raises(UserError, match="every image"):
+        split_names(names[:2], SplitConfig(test_names=("0000.jpg", "0001.jpg")))
+
+
+def test_test_names_are_validated_by_the_config_loader():
+    from splatflow.config import ConfigError, params_from_dict
+
+    p = params_from_dict({"split": {"test_names": ["0005.jpg"]}})
+    assert p.split.test_names == ("0005.jpg",)
+    assert params_from_dict({"split": {"test_names": None}}).split.test_names is None
+    for bad, match in (([], "non-empty"), (["a.jpg", "a.jpg"], "repeat"), ("a.jpg", "split.test_names"),
+                       ([3], r"split.test_names\[0\]")):
+        with pytest.raises(ConfigError, match=match):
+            params_from_dict({"split": {"test_names": bad}})

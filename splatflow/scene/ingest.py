@@ -9,8 +9,10 @@ Why each step exists
 * **Bad files.** pycolmap reads *every* file in its image folder, and OpenCV decodes a truncated JPEG with only a
   warning (grey bottom half, false features), while Pillow's ``load()`` raises: every image is fully decoded with
   Pillow here, and empty, non-image, unreadable and truncated files are rejected by name.
-* **One camera.** pycolmap's single-camera mode silently drops images of another size, so images whose size is
-  not the capture's most common size are rejected here, visibly. Images smaller than ``min_side_px`` are too.
+* **Sizes.** Images of several sizes are kept: a photo collection from several cameras (or portrait and
+  landscape shots) is normal, and the sfm stage gives each size and EXIF camera its own intrinsics
+  (``sfm.camera_mode``). The sizes found are listed in the metrics. Images smaller than ``min_side_px`` are
+  rejected.
 * **Blur.** Motion-blurred frames register badly and teach the splats blur. Sharpness (variance of the
   Laplacian, measured at a fixed width) is compared with the *median of the neighbouring images* in name order,
   because absolute sharpness depends on content and resolution (:mod:`splatflow.scene.imagehash`).
@@ -52,7 +54,6 @@ REASON_HINTS = {
     "not_image": "remove non-image files or convert RAW/other formats to JPEG/PNG/HEIC",
     "unreadable": "re-copy or re-export the damaged/truncated files",
     "too_small": "use larger images or lower ingest.min_side_px",
-    "odd_size": "give every image the same size and orientation (one camera)",
     "blurry": "retake the blurry shots, or lower ingest.blur_rel_threshold (0 disables the check)",
     "duplicate": "take photos from more distinct positions, or raise ingest.dedupe_min_correlation",
 }
@@ -110,6 +111,7 @@ class IngestResult:
             "rejected": [{"file": r.file, "reason": r.reason, "detail": r.detail} for r in self.rejected],
             "image_width_px": w,
             "image_height_px": h,
+            "image_sizes": dict(Counter(f"{c.width_px}x{c.height_px}" for c in self.kept).most_common()),
             "copied": sum(c.written == "copied" for c in self.kept),
             "converted": sum(c.written != "copied" for c in self.kept),
             "ignored": list(self.ignored),
@@ -148,7 +150,6 @@ def ingest(source: str | Path, out_dir: str | Path, cfg: IngestConfig, *, progre
             kind = "video"
             candidates, rejected, images_in, video_info = _read_video(source, staging, cfg, progress)
 
-        candidates = _reject_odd_sizes(candidates, rejected)
         candidates = _reject_blurry(candidates, rejected, cfg)
         candidates = _reject_duplicates(candidates, rejected, cfg)
         kept_names = {c.out_name for c in candidates}
@@ -367,25 +368,6 @@ def _read_video(source: Path, staging: Path, cfg: IngestConfig, progress: bool):
 # --------------------------------------------------------------------------------------------- selection
 
 
-def _reject_odd_sizes(cands: list[Candidate], rejected: list[Rejection]) -> list[Candidate]:
-    """Keep the most common size (ties: the size met first); pycolmap's single camera drops the others silently."""
-    if not cands:
-        return cands
-    counts = Counter((c.width_px, c.height_px) for c in cands)  # insertion order breaks ties
-    (mw, mh), n = counts.most_common(1)[0]
-    keep = []
-    for c in cands:
-        if (c.width_px, c.height_px) == (mw, mh):
-            keep.append(c)
-            continue
-        turned = " (rotated: portrait vs landscape)" if (c.width_px, c.height_px) == (mh, mw) else ""
-        rejected.append(Rejection(
-            c.source, "odd_size",
-            f"{c.width_px}x{c.height_px} px{turned} differs from the capture's size {mw}x{mh} px "
-            f"({n} of {len(cands)} images); COLMAP's single camera needs one size", c.order))
-    return keep
-
-
 def neighbour_indices(i: int, n: int, window: int) -> range | list[int]:
     """The ``window`` positions nearest to ``i`` in [0, n), excluding i (shifted inward at the ends)."""
     lo = max(0, min(i - window // 2, n - 1 - window))
@@ -433,6 +415,8 @@ def _reject_duplicates(cands: list[Candidate], rejected: list[Rejection], cfg: I
         near = np.flatnonzero(dist <= cfg.dedupe_max_distance)
         best_j, best_ncc = -1, -1.0
         for j in near:
+            if keep[j].thumb.shape != c.thumb.shape:  # another aspect ratio (mixed sizes): not the same shot
+                continue
             ncc = correlation(c.thumb, keep[j].thumb)
             if ncc > best_ncc:
                 best_j, best_ncc = int(j), ncc

@@ -7,9 +7,18 @@ GLOMAP: Pan et al., ECCV 2024), and undistortion to an ideal pinhole camera, whi
 
 Choices and why:
 
-* One shared camera (``CameraMode.SINGLE``): a scene is shot with one camera and lens, and sharing intrinsics
-  makes self-calibration far better conditioned than one camera per image (COLMAP's AUTO made one per image here).
-  SINGLE silently drops images of another size, so sizes are checked first and a mix is an error.
+* Cameras (``sfm.camera_mode``): images taken with one camera and lens share intrinsics, which makes
+  self-calibration far better conditioned than one camera per image (COLMAP's own AUTO makes one per image).
+  ``auto`` (default) groups the images by size and, when present, EXIF make/model/focal length: one COLMAP camera
+  per group, so a single-camera capture gets one camera and a mixed photo collection one per camera and size.
+  Each group is extracted with ``CameraMode.SINGLE`` in its own call (SINGLE silently drops images of another size,
+  so a group never mixes sizes). ``single`` forces one camera (a size mix is then an error); ``per_image`` gives
+  every image its own intrinsics.
+* EXIF focal length as a prior: the 35 mm-equivalent focal length (``FocalLengthIn35mmFilm``, scaled by the
+  longer image side over the 36 mm frame width) or the focal length in mm with the sensor's pixel density
+  (``FocalPlaneXResolution``) gives the initial focal length in pixels, marked as a prior
+  (``has_prior_focal_length``), which helps COLMAP choose and reconstruct its initial pair. Without EXIF, COLMAP's
+  default (1.2 x the longer side, no prior) is used.
 * Full resolution: SIFT on down-scaled images loses the fine texture that pins the poses; the default cap of
   COLMAP (3200 px) is lifted to the images' size.
 * Matcher: exhaustive matching is the most robust for unordered photos but costs O(n^2) pairs; sequential matching
@@ -39,9 +48,10 @@ from splatflow.scene.groundtruth import camera_error, read_ground_truth
 from splatflow.scene.schemas import validate_reconstruction
 
 __all__ = ["IMAGE_SUFFIXES", "list_images", "choose_matcher", "first_sift_octave", "SfmResult", "run_sfm",
-           "reconstruction_poses"]
+           "reconstruction_poses", "exif_camera", "camera_groups", "camera_summary", "undistort_model"]
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".tif", ".tiff", ".bmp"}
+_PINHOLE = {"PINHOLE", "SIMPLE_PINHOLE"}
 
 
 def list_images(images_dir: Path) -> list[str]:
@@ -63,7 +73,7 @@ def _image_size(path: Path) -> tuple[int, int]:
 
 
 def _check_one_size(images_dir: Path, names: list[str]) -> tuple[int, int]:
-    """All images must share one size (one shared camera); returns (width, height)."""
+    """All images must share one size (``sfm.camera_mode: single``); returns (width, height)."""
     sizes: dict[tuple[int, int], list[str]] = {}
     for n in names:
         sizes.setdefault(_image_size(images_dir / n), []).append(n)
@@ -71,9 +81,121 @@ def _check_one_size(images_dir: Path, names: list[str]) -> tuple[int, int]:
         common = max(sizes, key=lambda s: len(sizes[s]))
         odd = [n for s, ns in sizes.items() if s != common for n in ns]
         raise UserError(f"{images_dir}: images have {len(sizes)} different sizes (most are {common[0]}x{common[1]}; "
-                        f"e.g. {odd[0]} is not). SfM uses one shared camera: run the ingest stage, which rejects "
-                        f"odd sizes, or remove those images")
+                        f"e.g. {odd[0]} is not), but sfm.camera_mode = single shares one camera, which needs one "
+                        f"size. Set sfm.camera_mode: auto (one camera per size and EXIF camera) or remove those images")
     return next(iter(sizes))
+
+
+# EXIF tags (Exif 2.3): IFD0 Make/Model, Exif sub-IFD focal length fields.
+_EXIF_IFD = 0x8769
+_MAKE, _MODEL = 0x010F, 0x0110
+_FOCAL_MM, _FOCAL_35MM = 0x920A, 0xA405
+_FOCAL_PLANE_XRES, _FOCAL_PLANE_UNIT = 0xA20E, 0xA210
+_PIXEL_X_DIMENSION = 0xA002
+_UNIT_MM = {2: 25.4, 3: 10.0, 4: 1.0, 5: 0.001}  # FocalPlaneResolutionUnit: inch, cm, mm, micrometre
+
+
+@dataclass(frozen=True)
+class ExifCamera:
+    """What an image's EXIF says about its camera; ``focal_px`` is the prior in pixels (None when unknown)."""
+
+    make: str | None
+    model: str | None
+    focal_mm: float | None
+    focal_35mm: float | None
+    focal_px: float | None
+    focal_from: str | None  # "exif_35mm" or "exif_focal_plane"
+
+
+def _positive(v) -> float | None:
+    try:
+        f = float(v)
+    except (TypeError, ValueError, ZeroDivisionError):
+        return None
+    return f if math.isfinite(f) and f > 0 else None
+
+
+def exif_camera(path: Path, width: int, height: int) -> ExifCamera:
+    """Camera make/model and the focal-length prior in pixels from ``path``'s EXIF (see the module docstring).
+
+    ``width``/``height`` are the image's pixel size as stored (ingest has already applied the EXIF rotation).
+    """
+    from PIL import Image
+
+    try:
+        with Image.open(path) as im:
+            exif = im.getexif()
+            sub = exif.get_ifd(_EXIF_IFD)
+    except Exception:
+        return ExifCamera(None, None, None, None, None, None)
+
+    def text(v) -> str | None:
+        v = v.decode(errors="replace") if isinstance(v, bytes) else v
+        return str(v).strip("\x00 ").strip() or None if v is not None else None
+
+    make, model = text(exif.get(_MAKE)), text(exif.get(_MODEL))
+    f_mm, f35 = _positive(sub.get(_FOCAL_MM)), _positive(sub.get(_FOCAL_35MM))
+    longer = max(width, height)
+    if f35 is not None:
+        return ExifCamera(make, model, f_mm, f35, f35 / 36.0 * longer, "exif_35mm")
+    xres, unit = _positive(sub.get(_FOCAL_PLANE_XRES)), sub.get(_FOCAL_PLANE_UNIT, 2)
+    if f_mm is not None and xres is not None and unit in _UNIT_MM:
+        px_per_mm = xres / _UNIT_MM[unit]  # of the sensor's full-resolution image
+        full_w = _positive(sub.get(_PIXEL_X_DIMENSION))
+        # An image resized after capture keeps the sensor's density in EXIF: rescale by its width now vs then
+        # (the larger side: ingest may have rotated the pixels).
+        scale = longer / full_w if full_w else 1.0
+        return ExifCamera(make, model, f_mm, None, f_mm * px_per_mm * scale, "exif_focal_plane")
+    return ExifCamera(make, model, f_mm, None, None, None)
+
+
+@dataclass
+class CameraGroup:
+    """Images that share one COLMAP camera."""
+
+    names: list[str]
+    width: int
+    height: int
+    exif: ExifCamera
+
+    @property
+    def label(self) -> str:
+        who = " ".join(x for x in (self.exif.make, self.exif.model) if x) or "no EXIF camera"
+        focal = f", {self.exif.focal_mm:g} mm" if self.exif.focal_mm else ""
+        return f"{self.width}x{self.height} ({who}{focal})"
+
+
+def camera_groups(images_dir: Path, names: list[str], mode: str) -> list[CameraGroup]:
+    """Split ``names`` into the cameras of ``sfm.camera_mode`` (see the module docstring), in name order."""
+    infos = []
+    for n in names:
+        w, h = _image_size(images_dir / n)
+        infos.append((n, w, h, exif_camera(images_dir / n, w, h)))
+    if mode == "single":
+        w, h = _check_one_size(images_dir, names)
+        with_prior = [e for *_, e in infos if e.focal_px is not None]
+        e = with_prior[0] if with_prior else infos[0][3]
+        if with_prior:  # one camera: the median prior of its images
+            e = ExifCamera(e.make, e.model, e.focal_mm, e.focal_35mm,
+                           float(np.median([x.focal_px for x in with_prior])), e.focal_from)
+        return [CameraGroup(list(names), w, h, e)]
+    if mode == "per_image":
+        return [CameraGroup([n], w, h, e) for n, w, h, e in infos]
+    groups: dict[tuple, CameraGroup] = {}
+    for n, w, h, e in infos:
+        key = (w, h, e.make, e.model, e.focal_mm, e.focal_35mm)  # no EXIF: (w, h, None, ...) = one per size
+        if key not in groups:
+            groups[key] = CameraGroup([], w, h, e)
+        groups[key].names.append(n)
+    return list(groups.values())
+
+
+def camera_params_string(model: str, focal_px: float, width: int, height: int) -> str:
+    """COLMAP ``camera_params`` for ``model`` with focal ``focal_px``, the image centre and no distortion."""
+    import pycolmap
+
+    cam = pycolmap.Camera.create_from_model_name(1, model, float(focal_px), int(width), int(height))
+    return ",".join(f"{v:.10g}" for v in cam.params)
 
 
 def first_sift_octave(width: int, height: int) -> int:
@@ -157,6 +279,59 @@ def _too_few_message(images_dir: Path, n_reg: int, n_total: int, matcher: str, c
     )
 
 
+def camera_summary(rec, groups: dict[str, CameraGroup] | None = None) -> list[dict]:
+    """One entry per camera of ``rec`` that has registered images: model, size, focal length, EXIF prior."""
+    out = []
+    for cam_id in sorted(rec.cameras):
+        cam = rec.cameras[cam_id]
+        ims = sorted(im.name for im in rec.images.values() if im.has_pose and im.camera_id == cam_id)
+        if not ims:
+            continue
+        entry = {"camera_id": int(cam_id), "model": cam.model_name, "width": int(cam.width),
+                 "height": int(cam.height), "images": len(ims), "focal_px": round(float(cam.mean_focal_length()), 3)}
+        g = groups.get(ims[0]) if groups else None
+        if g is not None:
+            entry["exif_camera"] = " ".join(x for x in (g.exif.make, g.exif.model) if x) or None
+            entry["focal_prior_px"] = None if g.exif.focal_px is None else round(g.exif.focal_px, 3)
+            entry["focal_prior_from"] = g.exif.focal_from
+        out.append(entry)
+    return out
+
+
+def undistort_model(sparse_dir: Path, images_dir: Path, out_dir: Path, final_dir: Path, threads: int) -> None:
+    """PINHOLE model and images of ``sparse_dir``'s registered images in ``out_dir/{images,sparse}``.
+
+    Models that are already pinhole are copied (images byte for byte: resampling an undistorted image would only
+    blur it and, for a published dataset, change the pixels its metrics are computed on); every other model that
+    COLMAP's undistorter handles (all perspective models, the fisheye ones included) is undistorted.
+    ``final_dir`` only names the destination in messages.
+    """
+    import pycolmap
+
+    rec = pycolmap.Reconstruction(str(sparse_dir))
+    reg = [im for im in rec.images.values() if im.has_pose]
+    if all(rec.cameras[im.camera_id].model_name in _PINHOLE for im in reg):
+        (out_dir / "images").mkdir(parents=True)
+        for im in reg:
+            dst = out_dir / "images" / im.name
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(images_dir / im.name, dst)
+        (out_dir / "sparse").mkdir()
+        rec.write_binary(str(out_dir / "sparse"))
+    else:
+        pycolmap.undistort_images(str(out_dir), str(sparse_dir), str(images_dir), output_type="COLMAP",
+                                  copy_policy=pycolmap.FileCopyType.copy, jpeg_quality=95, num_threads=threads)
+        # Keep only what training reads: images/ and sparse/ (drop the MVS stereo/ folder and scripts).
+        for p in out_dir.iterdir():
+            if p.name not in ("images", "sparse"):
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+    undist = pycolmap.Reconstruction(str(out_dir / "sparse"))
+    validate_reconstruction(undist, f"{final_dir / 'sparse'} (before writing)")
+    models_seen = {c.model_name for c in undist.cameras.values()}
+    if models_seen - _PINHOLE:
+        raise RuntimeError(f"undistortion left non-pinhole cameras: {models_seen}")
+
+
 def run_sfm(images_dir: str | Path, sparse_dir: str | Path, undistorted_dir: str | Path, cfg: SfmConfig, *,
             seed: int = 0, threads: int = 2, ordered_sequence: bool = False, ground_truth: str | Path | None = None,
             progress: bool = True) -> SfmResult:
@@ -175,7 +350,8 @@ def run_sfm(images_dir: str | Path, sparse_dir: str | Path, undistorted_dir: str
     names = list_images(images_dir)
     if len(names) < 3:
         raise UserError(f"{images_dir}: {len(names)} images found; SfM needs at least 3 overlapping photos")
-    width, height = _check_one_size(images_dir, names)
+    groups = camera_groups(images_dir, names, cfg.camera_mode)
+    width, height = max(g.width for g in groups), max(g.height for g in groups)
     truth = read_ground_truth(ground_truth) if ground_truth is not None else None  # fail early on a bad path
     matcher = choose_matcher(cfg, len(names), ordered_sequence)
     pycolmap.logging.minloglevel = 1  # warnings and errors; our own lines report the phases
@@ -186,19 +362,28 @@ def run_sfm(images_dir: str | Path, sparse_dir: str | Path, undistorted_dir: str
         tmp = Path(tmp_s)
         db = tmp / "database.db"
 
-        with _Phase(f"SIFT features of {len(names)} images at full resolution {width}x{height}, one shared "
-                    f"{cfg.camera_model} camera"):
-            reader = pycolmap.ImageReaderOptions()
-            reader.camera_model = cfg.camera_model
-            extraction = pycolmap.FeatureExtractionOptions()
-            extraction.max_image_size = max(width, height)
-            extraction.num_threads = threads
-            extraction.use_gpu = False
-            extraction.sift.max_num_features = cfg.max_num_features
-            extraction.sift.first_octave = first_sift_octave(width, height)
-            pycolmap.extract_features(db, images_dir, image_names=names, camera_mode=pycolmap.CameraMode.SINGLE,
-                                      reader_options=reader, extraction_options=extraction,
-                                      device=pycolmap.Device.cpu)
+        what = (f"one shared {cfg.camera_model} camera" if len(groups) == 1 else
+                f"{len(groups)} {cfg.camera_model} cameras (sfm.camera_mode = {cfg.camera_mode})")
+        with _Phase(f"SIFT features of {len(names)} images at full resolution "
+                    + (f"{width}x{height}" if len(groups) == 1 else f"up to {width}x{height}") + f", {what}"):
+            for g in groups:  # one extraction call per camera: SINGLE mode gives each call its own camera
+                reader = pycolmap.ImageReaderOptions()
+                reader.camera_model = cfg.camera_model
+                if g.exif.focal_px is not None:  # given params are marked as a focal-length prior
+                    reader.camera_params = camera_params_string(cfg.camera_model, g.exif.focal_px, g.width,
+                                                                g.height)
+                extraction = pycolmap.FeatureExtractionOptions()
+                extraction.max_image_size = max(width, height)
+                extraction.num_threads = threads
+                extraction.use_gpu = False
+                extraction.sift.max_num_features = cfg.max_num_features
+                extraction.sift.first_octave = first_sift_octave(g.width, g.height)
+                pycolmap.extract_features(db, images_dir, image_names=g.names,
+                                          camera_mode=pycolmap.CameraMode.SINGLE, reader_options=reader,
+                                          extraction_options=extraction, device=pycolmap.Device.cpu)
+                if len(groups) > 1 and len(groups) <= 20:
+                    _say(f"camera {g.label}: {len(g.names)} images"
+                         + (f", EXIF focal prior {g.exif.focal_px:.1f} px" if g.exif.focal_px else ""))
 
         n_pairs = len(names) * (len(names) - 1) // 2 if matcher == "exhaustive" else None
         with _Phase(f"{matcher} matching" + (f" of {n_pairs} pairs" if n_pairs else
@@ -258,6 +443,7 @@ def run_sfm(images_dir: str | Path, sparse_dir: str | Path, undistorted_dir: str
 
         # Metrics (and the ground-truth comparison, which can fail on a wrong path) before any output is written.
         metrics = {
+            "source": "computed",  # "imported" when an existing COLMAP model is used (splatflow.scene.colmap)
             "images_total": len(names),
             "images_registered": int(n_reg),
             "points3d": int(rec.num_points3D()),
@@ -266,6 +452,8 @@ def run_sfm(images_dir: str | Path, sparse_dir: str | Path, undistorted_dir: str
             "camera_center_error_rel": None,
             "camera_rotation_error_deg": None,
             "seconds": None,
+            "camera_mode": cfg.camera_mode,
+            "cameras": camera_summary(rec, {n: g for g in groups for n in g.names}),
         }
         if truth is not None:
             err = camera_error(reconstruction_poses(rec), truth)
@@ -281,17 +469,7 @@ def run_sfm(images_dir: str | Path, sparse_dir: str | Path, undistorted_dir: str
 
         staged_undist = tmp / "undistorted"
         with _Phase(f"undistorting {n_reg} images to PINHOLE"):
-            pycolmap.undistort_images(str(staged_undist), str(staged_sparse), str(images_dir), output_type="COLMAP",
-                                      copy_policy=pycolmap.FileCopyType.copy, jpeg_quality=95, num_threads=threads)
-        # Keep only what training reads: images/ and sparse/ (drop the MVS stereo/ folder and scripts).
-        for p in staged_undist.iterdir():
-            if p.name not in ("images", "sparse"):
-                shutil.rmtree(p) if p.is_dir() else p.unlink()
-        undist = pycolmap.Reconstruction(str(staged_undist / "sparse"))
-        validate_reconstruction(undist, f"{undistorted_dir / 'sparse'} (before writing)")
-        models_seen = {c.model_name for c in undist.cameras.values()}
-        if models_seen - {"PINHOLE", "SIMPLE_PINHOLE"}:
-            raise RuntimeError(f"undistortion left non-pinhole cameras: {models_seen}")
+            undistort_model(staged_sparse, images_dir, staged_undist, undistorted_dir, threads)
 
         _replace_dir(staged_sparse, sparse_dir)
         _replace_dir(staged_undist, undistorted_dir)

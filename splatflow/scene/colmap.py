@@ -1,0 +1,287 @@
+"""Existing COLMAP datasets as a scene source: the dataset's cameras and points instead of a new SfM run.
+
+Published scenes (Mip-NeRF 360, Tanks and Temples and Deep Blending in the layout of the 3D Gaussian Splatting
+reference code) come as ``images/`` (full resolution), optional ``images_2/ images_4/ images_8/`` (the same
+names, downscaled by 2/4/8: what published metrics are computed on) and a COLMAP model in ``sparse/0/`` or
+``sparse/`` (binary or text). A scene with ``base.scenes.S.colmap`` set is such a dataset:
+
+* ingest validates and copies ``images/`` like any capture (so a broken or duplicate file is still caught), and
+  copies each ``images_N`` level to ``data/S/images_N/`` under the names ingest gave the full-resolution images
+  (:func:`copy_levels`). For every scene those three folders exist after ingest (DVC outputs cannot be optional);
+  an empty one means the dataset has no such level.
+* the sfm stage imports the model (:func:`import_model`): no features, no matching, no mapping. It keeps the
+  registered images that ingest kept, drops the others from the model and names each with the reason (ingest's
+  rejection or "not in the images folder"), refuses a model whose cameras do not match its images' sizes, and
+  writes the same outputs as an SfM run (``data/S/sparse/``, ``data/S/undistorted/{images,sparse}``, the metrics
+  of sfm.json with ``"source": "imported"``). Pinhole models are copied unchanged (images byte for byte, so the
+  pixels a published table was measured on stay the same); every other model that COLMAP's undistorter handles
+  (all perspective models: the radial, OpenCV, division and fisheye families) is undistorted to PINHOLE.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from splatflow.config import IngestConfig, SfmConfig
+from splatflow.errors import UserError
+
+__all__ = ["LEVELS", "find_model", "is_colmap_dataset", "level_dir", "output_name_map", "copy_levels",
+           "empty_levels", "import_model"]
+
+LEVELS = (2, 4, 8)  # the downscale levels of the Inria / Mip-NeRF 360 layout
+MODEL_CANDIDATES = ("sparse/0", "sparse")
+
+
+def _has_model(d: Path) -> bool:
+    return d.is_dir() and all((d / f"{n}.bin").exists() or (d / f"{n}.txt").exists()
+                              for n in ("cameras", "images", "points3D"))
+
+
+def find_model(root: str | Path) -> str | None:
+    """The model folder of a dataset, relative to ``root`` (``sparse/0`` before ``sparse``), or None."""
+    root = Path(root)
+    for rel in MODEL_CANDIDATES:
+        if _has_model(root / rel):
+            return rel
+    return None
+
+
+def is_colmap_dataset(path: str | Path) -> bool:
+    """A folder holding ``images/`` and a COLMAP model in ``sparse/0/`` or ``sparse/``."""
+    path = Path(path)
+    return path.is_dir() and (path / "images").is_dir() and find_model(path) is not None
+
+
+def model_dir(source: Path, colmap: str) -> Path:
+    """``base.scenes.S.colmap`` resolved against the dataset root ``source``; UserError when it holds no model."""
+    p = Path(colmap).expanduser()
+    p = p if p.is_absolute() else source / p
+    if not _has_model(p):
+        found = find_model(source) if source.is_dir() else None
+        hint = f" (this dataset has one in {found})" if found else ""
+        raise UserError(f"{p}: no COLMAP model here (cameras, images and points3D as .bin or .txt); set "
+                        f"base.scenes.<scene>.colmap to the model folder relative to {source}{hint}")
+    return p
+
+
+def level_dir(data_dir: Path, n: int) -> Path:
+    """``data/S/images_N``: the dataset's own 1/N-size images under ingest's names (empty when it has none)."""
+    return data_dir / f"images_{n}"
+
+
+def output_name_map(source_images: Path, image_format: str) -> dict[str, str]:
+    """Source file name -> the name ingest gives it in ``data/S/images`` (the same rule ingest applies)."""
+    from splatflow.scene.ingest import output_names
+
+    files = [p.name for p in source_images.iterdir() if p.is_file() and not p.name.startswith(".")]
+    return output_names(files, image_format)
+
+
+# --------------------------------------------------------------------------------------------- ingest: levels
+
+
+def empty_levels(data_dir: Path) -> None:
+    """Make every ``data/S/images_N`` an empty folder (a capture without downscaled levels)."""
+    for n in LEVELS:
+        d = level_dir(data_dir, n)
+        if d.exists():
+            shutil.rmtree(d)
+        d.mkdir(parents=True)
+
+
+def _find_level_file(level: Path, source_name: str) -> Path | None:
+    p = level / source_name
+    if p.is_file():
+        return p
+    stem = Path(source_name).stem  # some datasets store the levels as PNG next to JPEG originals
+    same_stem = sorted(q for q in level.glob(f"{stem}.*") if q.is_file())
+    return same_stem[0] if len(same_stem) == 1 else None
+
+
+def copy_levels(dataset_root: Path, kept: list[tuple[str, str, int, int]], data_dir: Path, cfg: IngestConfig,
+                *, progress: bool = True) -> dict:
+    """Copy ``dataset_root/images_N`` (N in :data:`LEVELS`) to ``data_dir/images_N`` for the kept images.
+
+    ``kept``: ``(source file name, ingest output name, width, height)`` of every image ingest kept. A level is
+    copied whole or not at all: when one of its files is missing, unreadable or not 1/N of its full-size image
+    (within 1 px: datasets round differently), the level folder is left empty and the reason is returned, so a
+    consumer falls back to downscaling ``images/`` itself. Files keep their bytes when ingest copied the
+    full-size image's bytes (clean RGB JPEG) and are converted the same way otherwise.
+    Returns ``{"images_N": {"copied": k} | {"absent": True} | {"skipped": reason}}``.
+    """
+    from tqdm import tqdm
+
+    from splatflow.scene.ingest import _Reject, _save, open_image
+
+    out: dict[str, dict] = {}
+    for n in LEVELS:
+        name = f"images_{n}"
+        src, dst = dataset_root / name, level_dir(data_dir, n)
+        staging = data_dir / f".{name}.staging"
+        for d in (staging, dst):
+            if d.exists():
+                shutil.rmtree(d)
+        staging.mkdir(parents=True)
+        try:
+            if not src.is_dir():
+                out[name] = {"absent": True}
+                continue
+            problem = None
+            for source_name, out_name, w, h in tqdm(kept, desc=f"ingest: copying {name}", unit="img",
+                                                   disable=not progress):
+                f = _find_level_file(src, source_name)
+                if f is None:
+                    problem = f"{src / source_name}: missing (a level must hold every image)"
+                    break
+                try:
+                    im, clean_jpeg, _ = open_image(f)
+                except _Reject as r:
+                    problem = f"{f}: {r.detail}"
+                    break
+                lw, lh = im.size
+                if abs(lw - w / n) > 1.0 or abs(lh - h / n) > 1.0:
+                    problem = (f"{f}: {lw}x{lh} px is not 1/{n} of the full-size image ({w}x{h} px); the level "
+                               f"does not belong to these images")
+                    break
+                if clean_jpeg and cfg.image_format == "jpg" and f.suffix.lower() in (".jpg", ".jpeg"):
+                    shutil.copyfile(f, staging / out_name)
+                else:
+                    _save(im, staging / out_name, cfg)
+            if problem:
+                out[name] = {"skipped": problem}
+                print(f"ingest: {name} not used: {problem}; consumers will downscale images/ instead", flush=True)
+            else:
+                out[name] = {"copied": len(kept)}
+        finally:
+            if out.get(name, {}).get("copied") is not None:
+                staging.rename(dst)
+            else:
+                shutil.rmtree(staging)
+                dst.mkdir(parents=True, exist_ok=True)
+    ignored = sorted(p.name for p in dataset_root.glob("images_*") if p.is_dir() and p.name not in out)
+    if ignored:
+        out["ignored"] = ignored  # e.g. images_16: not a level training or the benchmark protocols use
+    return out
+
+
+# --------------------------------------------------------------------------------------------- sfm: import
+
+
+def _say(msg: str) -> None:
+    print(f"sfm: {msg}", flush=True)
+
+
+def import_model(model_path: Path, images_dir: Path, sparse_dir: Path, undistorted_dir: Path, cfg: SfmConfig, *,
+                 name_map: dict[str, str] | None = None, rejected: dict[str, str] | None = None, threads: int = 2,
+                 ground_truth: Path | None = None):
+    """Import the COLMAP model at ``model_path`` for the images ingest wrote to ``images_dir`` (module docstring).
+
+    ``name_map``: model image name -> ingest output name (:func:`output_name_map`); names not in it are used as
+    they are. ``rejected``: source file name -> ingest's reason, to say why a model image is missing.
+    Returns an :class:`splatflow.scene.sfm.SfmResult` (``matcher`` is ``"imported"``).
+    Raises UserError for an unreadable model, an unsupported camera model, sizes that do not match, no 3D points,
+    or fewer than ``cfg.min_registered_fraction`` of the model's registered images left.
+    """
+    import pycolmap
+    from PIL import Image
+
+    from splatflow.scene.groundtruth import camera_error, read_ground_truth
+    from splatflow.scene.schemas import validate_reconstruction
+    from splatflow.scene.sfm import (SfmResult, _replace_dir, camera_summary, list_images, reconstruction_poses,
+                                     undistort_model)
+
+    t0 = time.perf_counter()
+    name_map, rejected = name_map or {}, rejected or {}
+    truth = read_ground_truth(ground_truth) if ground_truth is not None else None
+    try:
+        rec = pycolmap.Reconstruction(str(model_path))
+    except Exception as e:
+        raise UserError(f"{model_path}: cannot read this COLMAP model ({e}); check the dataset is complete") from None
+    bad = sorted({c.model_name for c in rec.cameras.values() if not c.is_perspective()})
+    if bad:
+        raise UserError(f"{model_path}: camera model {', '.join(bad)} cannot be undistorted to a pinhole camera "
+                        f"(3D Gaussian Splatting needs one); use a perspective model or drop the base.scenes "
+                        f"colmap entry so the sfm stage runs SfM itself")
+    registered = sorted((im for im in rec.images.values() if im.has_pose), key=lambda im: im.name)
+    if not registered:
+        raise UserError(f"{model_path}: the model has no registered images")
+    ingested = set(list_images(images_dir))
+
+    dropped: list[dict] = []
+    drop_frames: set[int] = set()
+    for im in registered:
+        new = name_map.get(im.name, im.name)
+        if new not in ingested:
+            why = rejected.get(im.name) or (f"not in {images_dir} (ingest found no such file in the dataset's "
+                                            f"images folder, or it lies in a sub-folder, which ingest skips)")
+            dropped.append({"image": im.name, "reason": why})
+            drop_frames.add(im.frame_id)
+            continue
+        cam = rec.cameras[im.camera_id]
+        with Image.open(images_dir / new) as pil:
+            size = pil.size
+        if size != (cam.width, cam.height):
+            raise UserError(
+                f"{images_dir / new}: image is {size[0]}x{size[1]} px but its camera {im.camera_id} in {model_path} "
+                f"is {cam.width}x{cam.height}; the model does not describe these images (a downscaled images "
+                f"folder, or photos rotated by their EXIF orientation). Point the dataset's images/ at the "
+                f"full-size images the model was made from")
+        im.name = new
+    for fid in drop_frames:
+        rec.deregister_frame(fid)
+    n_model, n_kept = len(registered), rec.num_reg_images()
+    for d in dropped:
+        _say(f"dropped {d['image']} from the imported model: {d['reason']}")
+    need = max(2, math.ceil(cfg.min_registered_fraction * n_model))
+    if n_kept < need:
+        examples = "; ".join(f"{d['image']}: {d['reason']}" for d in dropped[:5])
+        raise UserError(f"{model_path}: only {n_kept} of the model's {n_model} registered images remain after "
+                        f"ingest (sfm.min_registered_fraction = {cfg.min_registered_fraction:g} needs {need}). "
+                        f"Dropped: {examples}. Loosen the ingest checks that rejected them (ingest.json lists why) "
+                        f"or fix those files")
+    if rec.num_points3D() == 0:
+        raise UserError(f"{model_path}: the model has no 3D points left; training starts from the SfM points, so "
+                        f"an imported model needs its points3D")
+    validate_reconstruction(rec, f"{model_path} (imported)")
+    models = sorted({rec.cameras[im.camera_id].model_name for im in rec.images.values() if im.has_pose})
+
+    metrics = {
+        "source": "imported",
+        "model": str(model_path),
+        "images_total": n_model,
+        "images_registered": int(n_kept),
+        "images_dropped": dropped,
+        "points3d": int(rec.num_points3D()),
+        "mean_reprojection_error_px": float(rec.compute_mean_reprojection_error()),
+        "mean_track_length": float(rec.compute_mean_track_length()),
+        "camera_center_error_rel": None,
+        "camera_rotation_error_deg": None,
+        "seconds": None,
+        "camera_models": models,
+        "undistorted": any(m not in ("PINHOLE", "SIMPLE_PINHOLE") for m in models),
+        "cameras": camera_summary(rec),
+    }
+    if truth is not None:
+        err = camera_error(reconstruction_poses(rec), truth)
+        metrics["camera_center_error_rel"] = err.center_error_rel
+        metrics["camera_rotation_error_deg"] = err.rotation_error_deg
+
+    sparse_dir.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".sfm-", dir=sparse_dir.parent) as tmp_s:
+        tmp = Path(tmp_s)
+        staged_sparse = tmp / "sparse"
+        staged_sparse.mkdir()
+        rec.write_binary(str(staged_sparse))
+        staged_undist = tmp / "undistorted"
+        what = "undistorting" if metrics["undistorted"] else "copying (pinhole: no undistortion needed)"
+        _say(f"imported {model_path}: {n_kept}/{n_model} images, {metrics['points3d']} points, cameras "
+             f"{', '.join(models)}; {what} {n_kept} images")
+        undistort_model(staged_sparse, images_dir, staged_undist, undistorted_dir, threads)
+        _replace_dir(staged_sparse, sparse_dir)
+        _replace_dir(staged_undist, undistorted_dir)
+    metrics["seconds"] = round(time.perf_counter() - t0, 3)
+    return SfmResult(metrics=metrics, matcher="imported", sparse_dir=sparse_dir, undistorted_dir=undistorted_dir)
