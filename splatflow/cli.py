@@ -65,13 +65,16 @@ def demo_scene(
 @app.command("add-scene")
 def add_scene(
     name: str = typer.Argument(..., help="scene name (letters, digits, - and _)"),
-    path: Path = typer.Argument(..., help="a folder of images or a video file"),
+    path: Path = typer.Argument(..., help="a folder of images, a video file, or a COLMAP dataset (images/ + "
+                                          "sparse/0/ or sparse/, optional images_2|4|8/)"),
     ground_truth: Optional[Path] = typer.Option(None, help="true cameras (COLMAP text model folder, "
                                                            "cameras.json or Strecha camera folder)"),
     force: bool = typer.Option(False, help="replace an existing scene of that name"),
 ):
-    """Register a folder of images or a video as a scene in params.yaml (keeps the file's comments)."""
+    """Register a folder of images, a video or a COLMAP dataset as a scene in params.yaml (keeps its comments)."""
     from ruamel.yaml import YAML
+
+    from splatflow.scene import colmap
 
     root = _root()
     if not path.exists():
@@ -97,6 +100,13 @@ def add_scene(
             return str(p)
 
     entry = {"source": rel(path)}
+    if path.is_dir() and colmap.is_colmap_dataset(path):
+        # An existing reconstruction: the sfm stage imports it instead of running SfM (splatflow.scene.colmap).
+        entry["colmap"] = colmap.find_model(path)
+    elif path.is_dir() and (path / "images").is_dir() and not any(
+            p.is_file() and not p.name.startswith(".") for p in path.iterdir()):
+        _fail(f"{path} holds an images/ folder but no COLMAP model (cameras, images, points3D as .bin or .txt in "
+              f"sparse/0/ or sparse/); give {path / 'images'} to run SfM on the images, or add the model")
     if ground_truth is not None:
         if not ground_truth.exists():
             _fail(f"{ground_truth} does not exist")
@@ -111,7 +121,8 @@ def add_scene(
         tmp.unlink()
         _fail(str(e))
     os.replace(tmp, params_path)
-    typer.echo(f"added scene {name!r} -> {entry['source']}; run it with `splatflow run {name}`")
+    kind = f" (COLMAP dataset, model {entry['colmap']}: SfM is not run again)" if "colmap" in entry else ""
+    typer.echo(f"added scene {name!r} -> {entry['source']}{kind}; run it with `splatflow run {name}`")
 
 
 @app.command("run")

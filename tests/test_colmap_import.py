@@ -1,0 +1,340 @@
+"""Existing COLMAP datasets through the real ingest and sfm stages, several cameras, views of several sizes.
+
+The datasets are written from the synthetic room's TRUE cameras and points (tests/_colmap_data.py), so "the
+imported cameras equal the given ones" is checked against exact values, and SfM's own entry points are replaced
+by functions that fail, so an import that ran SIFT, matching or mapping could not pass.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+
+pycolmap = pytest.importorskip("pycolmap")
+
+from splatflow.config import SfmConfig, params_from_dict  # noqa: E402
+from splatflow.errors import UserError  # noqa: E402
+from splatflow.paths import ScenePaths  # noqa: E402
+from splatflow.scene.synthetic import write_scene  # noqa: E402
+
+from tests._colmap_data import write_dataset, write_two_camera_views  # noqa: E402
+
+W, H = 200, 150
+
+
+@pytest.fixture(scope="module")
+def raw_scene(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("raw")
+    write_scene(d, progress=False, n_views=10, width=W, height=H, arc_deg=60.0, n_points=2000)
+    return d
+
+
+@pytest.fixture
+def no_sfm(monkeypatch):
+    """SfM's entry points fail loudly: an import must never reach them."""
+    def forbidden(*a, **k):
+        raise AssertionError("SfM (features/matching/mapping) ran during a COLMAP import")
+
+    for name in ("extract_features", "match_exhaustive", "match_sequential", "incremental_mapping",
+                 "global_mapping"):
+        monkeypatch.setattr(pycolmap, name, forbidden)
+
+
+def _run_stages(root: Path, dataset: Path, scene: dict | None = None, **sections) -> tuple[dict, dict, ScenePaths]:
+    from stages import ingest as ingest_stage
+    from stages import sfm as sfm_stage
+    from splatflow.stage import write_metrics
+
+    entry = {"source": str(dataset), "colmap": "sparse/0", **(scene or {})}
+    params = params_from_dict({"base": {"scenes": {"s": entry}}, **sections})
+    paths = ScenePaths("s", root)
+    m_ingest = ingest_stage.run(params, paths)
+    write_metrics(paths, "ingest", m_ingest)  # what stage_main does; the sfm import reads ingest's reasons
+    m_sfm = sfm_stage.run(params, paths)
+    return m_ingest, m_sfm, paths
+
+
+def _poses(rec) -> dict[str, np.ndarray]:
+    return {im.name: np.asarray(im.cam_from_world().matrix()) for im in rec.images.values() if im.has_pose}
+
+
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "text"])
+def test_import_uses_the_given_cameras_and_runs_no_sfm(raw_scene, tmp_path, no_sfm, binary):
+    dataset = write_dataset(raw_scene, tmp_path / "garden", binary=binary, levels=(2,))
+    m_ingest, m, paths = _run_stages(tmp_path / "proj", dataset,
+                                     scene={"ground_truth": str(raw_scene / "ground_truth")})
+    truth = pycolmap.Reconstruction(str(raw_scene / "ground_truth"))
+
+    assert m["source"] == "imported" and m["images_registered"] == m["images_total"] == 10
+    assert m["images_dropped"] == [] and m["undistorted"] is False and m["camera_models"] == ["PINHOLE"]
+    assert m["points3d"] == truth.num_points3D()
+    assert m["camera_center_error_rel"] < 1e-9 and m["camera_rotation_error_deg"] < 1e-4  # arccos near 1: ~1e-6 numerics
+    assert not list((tmp_path / "proj").rglob("*.db"))  # no feature database was ever created
+    # the same outputs as an SfM run: binary model, undistorted images + model, nothing else
+    assert (paths.sparse_dir / "cameras.bin").exists() and (paths.sparse_dir / "points3D.bin").exists()
+    assert sorted(p.name for p in paths.undistorted_dir.iterdir()) == ["images", "sparse"]
+    for folder in (paths.sparse_dir, paths.undistorted_dir / "sparse"):
+        rec = pycolmap.Reconstruction(str(folder))
+        (cam,) = rec.cameras.values()
+        assert cam.model_name == "PINHOLE" and (cam.width, cam.height) == (W, H)
+        np.testing.assert_allclose(cam.params, truth.cameras[1].params, rtol=1e-9)
+        got, want = _poses(rec), _poses(truth)
+        assert sorted(got) == sorted(want)
+        for name in want:
+            np.testing.assert_allclose(got[name], want[name], atol=1e-9)
+    # pinhole: images copied byte for byte (the pixels published metrics are computed on)
+    for p in sorted((dataset / "images").iterdir()):
+        assert (paths.undistorted_dir / "images" / p.name).read_bytes() == p.read_bytes()
+    # images_2 copied under ingest's names, images_4/8 absent (empty folders: DVC outputs)
+    assert m_ingest["levels"]["images_2"] == {"copied": 10}
+    assert m_ingest["levels"]["images_4"] == {"absent": True}
+    assert sorted(p.name for p in (paths.data_dir / "images_2").iterdir()) == sorted(
+        p.name for p in paths.images_dir.iterdir())
+    assert not any((paths.data_dir / "images_4").iterdir())
+    with_level = cv2.imread(str(paths.data_dir / "images_2" / "0003.jpg"))
+    assert with_level.shape[:2] == (H // 2, W // 2)
+    json.dumps(m)
+
+    from splatflow.scene.dataset import load_scene
+
+    scene = load_scene(paths.undistorted_dir)
+    assert len(scene.views) == 10 and len(scene.points) == truth.num_points3D()
+
+
+@pytest.mark.parametrize("model,extra", [("OPENCV", (0.08, 0.02, 0.001, -0.001)),
+                                         ("OPENCV_FISHEYE", (0.8, 0.0, 0.0, 0.0)),
+                                         ("SIMPLE_RADIAL", (0.06,))])
+def test_distorted_models_are_undistorted_to_pinhole(raw_scene, tmp_path, no_sfm, model, extra):
+    """The undistorted images must show what the true pinhole camera saw (the renders before distortion)."""
+    dataset = write_dataset(raw_scene, tmp_path / "ds", model=model, extra_params=extra, levels=())
+    _, m, paths = _run_stages(tmp_path / "proj", dataset)
+    assert m["source"] == "imported" and m["undistorted"] is True and m["camera_models"] == [model]
+    rec = pycolmap.Reconstruction(str(paths.undistorted_dir / "sparse"))
+    (cam,) = rec.cameras.values()
+    assert cam.model_name == "PINHOLE"
+    assert pycolmap.Reconstruction(str(paths.sparse_dir)).cameras[1].model_name == model  # sparse/ as given
+
+    K_true = np.asarray(pycolmap.Reconstruction(str(raw_scene / "ground_truth")).cameras[1].calibration_matrix())
+    K_new = np.asarray(cam.calibration_matrix())
+    # Both are pinhole cameras at the same pose: pixel u of the new one is pixel K_true K_new^-1 u of the original.
+    A = (K_true @ np.linalg.inv(K_new))[:2]  # [2, 3], COLMAP pixel coordinates (centres at +0.5)
+    shift = np.array([[1, 0, 0.5], [0, 1, 0.5], [0, 0, 1]])  # OpenCV's pixel centres are at +0
+    M = (np.vstack([A, [0, 0, 1]]) @ shift)[:2] - np.array([[0, 0, 0.5], [0, 0, 0.5]])
+    errs, errs_raw = [], []
+    for name in ("0002.jpg", "0005.jpg", "0008.jpg"):
+        und = cv2.imread(str(paths.undistorted_dir / "images" / name)).astype(np.float32)
+        orig = cv2.imread(str(raw_scene / "images" / name)).astype(np.float32)
+        dist = cv2.imread(str(dataset / "images" / name)).astype(np.float32)
+        assert und.shape[:2] == (cam.height, cam.width)
+        expect = cv2.warpAffine(orig, M, (cam.width, cam.height), flags=cv2.INTER_LINEAR | cv2.WARP_INVERSE_MAP)
+        h, w = und.shape[:2]
+        inner = (slice(h // 8, h - h // 8), slice(w // 8, w - w // 8))
+        raw = cv2.resize(dist, (w, h), interpolation=cv2.INTER_AREA)  # the distorted image, not undistorted
+        # a light blur evens out what resampling and sensor noise do to single pixels; misplaced texture remains
+        und, expect, raw = (cv2.GaussianBlur(x, (0, 0), 1.0) for x in (und, expect, raw))
+        errs.append(np.abs(und - expect)[inner].mean())
+        errs_raw.append(np.abs(raw - expect)[inner].mean())
+    assert max(errs) < 4.0, errs  # two bilinear resamplings and JPEG: a few grey levels
+    assert min(errs_raw) > 2.2 * max(errs), (errs, errs_raw)  # without undistortion the geometry is off
+
+
+def test_images_ingest_rejects_are_dropped_from_the_model_and_named(raw_scene, tmp_path, no_sfm):
+    dataset = write_dataset(raw_scene, tmp_path / "ds", levels=(2,))
+    data = (dataset / "images" / "0004.jpg").read_bytes()
+    (dataset / "images" / "0004.jpg").write_bytes(data[: len(data) // 2])  # truncated: ingest rejects it
+    (dataset / "images" / "0007.jpg").unlink()  # in the model, but not in the dataset
+    m_ingest, m, paths = _run_stages(tmp_path / "proj", dataset)
+    assert m["images_total"] == 10 and m["images_registered"] == 8
+    dropped = {d["image"]: d["reason"] for d in m["images_dropped"]}
+    assert set(dropped) == {"0004.jpg", "0007.jpg"}
+    assert "rejected by ingest: unreadable" in dropped["0004.jpg"] and "not in" in dropped["0007.jpg"]
+    rec = pycolmap.Reconstruction(str(paths.undistorted_dir / "sparse"))
+    assert sorted(im.name for im in rec.images.values() if im.has_pose) == sorted(
+        p.name for p in (paths.undistorted_dir / "images").iterdir())
+    assert "0004.jpg" not in {p.name for p in (paths.data_dir / "images_2").iterdir()}
+    assert m_ingest["levels"]["images_2"] == {"copied": 8}
+
+    # too many dropped: a clear error with the count and the reasons
+    with pytest.raises(UserError, match=r"only 8 of the model's 10 registered images.*0004.jpg"):
+        _run_stages(tmp_path / "proj2", dataset, sfm={"min_registered_fraction": 0.9})
+
+
+def test_renamed_images_and_mismatched_sizes(raw_scene, tmp_path, no_sfm):
+    """PNG images become JPEGs at ingest: the model's names follow. Images of another size than their camera
+    (a downscaled folder given as images/) are refused."""
+    dataset = write_dataset(raw_scene, tmp_path / "png", levels=())
+    for p in sorted((dataset / "images").iterdir()):
+        cv2.imwrite(str(p.with_suffix(".png")), cv2.imread(str(p)))
+        p.unlink()
+    rec = pycolmap.Reconstruction(str(dataset / "sparse/0"))
+    for im in rec.images.values():
+        im.name = im.name.replace(".jpg", ".png")
+    rec.write_binary(str(dataset / "sparse/0"))
+    _, m, paths = _run_stages(tmp_path / "proj", dataset)
+    assert m["images_registered"] == 10
+    names = sorted(im.name for im in pycolmap.Reconstruction(str(paths.sparse_dir)).images.values())
+    assert names == sorted(p.name for p in paths.images_dir.iterdir()) and names[0] == "0000.jpg"
+
+    small = write_dataset(raw_scene, tmp_path / "small", levels=(2,))
+    shutil.rmtree(small / "images")
+    shutil.copytree(small / "images_2", small / "images")
+    shutil.rmtree(small / "images_2")
+    with pytest.raises(UserError, match=r"is 100x75 px but its camera 1 .* is 200x150"):
+        _run_stages(tmp_path / "proj2", small)
+
+
+def test_a_level_that_does_not_match_is_skipped_not_half_copied(raw_scene, tmp_path, no_sfm):
+    dataset = write_dataset(raw_scene, tmp_path / "ds", levels=(2, 4))
+    (dataset / "images_4" / "0003.jpg").unlink()
+    img = cv2.imread(str(dataset / "images_2" / "0005.jpg"))
+    cv2.imwrite(str(dataset / "images_2" / "0005.jpg"), cv2.resize(img, (60, 45)))
+    m_ingest, _, paths = _run_stages(tmp_path / "proj", dataset)
+    levels = m_ingest["levels"]
+    assert "0005.jpg" in levels["images_2"]["skipped"] and "not 1/2" in levels["images_2"]["skipped"]
+    assert "0003.jpg" in levels["images_4"]["skipped"] and "missing" in levels["images_4"]["skipped"]
+    assert not any((paths.data_dir / "images_2").iterdir()) and not any((paths.data_dir / "images_4").iterdir())
+
+
+def test_bad_dataset_paths_and_unsupported_cameras(raw_scene, tmp_path, no_sfm):
+    dataset = write_dataset(raw_scene, tmp_path / "ds", levels=())
+    with pytest.raises(UserError, match=r"no COLMAP model here.*has one in sparse/0"):
+        _run_stages(tmp_path / "p1", dataset, scene={"colmap": "sparse"})
+    rec = pycolmap.Reconstruction(str(dataset / "sparse/0"))
+    rec.cameras[1] = pycolmap.Camera.create_from_model_name(1, "EQUIRECTANGULAR", 1.0, W, H)
+    rec.write_binary(str(dataset / "sparse/0"))
+    with pytest.raises(UserError, match="EQUIRECTANGULAR cannot be undistorted"):
+        _run_stages(tmp_path / "p2", dataset)
+
+
+def test_add_scene_recognises_colmap_datasets(raw_scene, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from splatflow.cli import app
+    from splatflow.config import load_params
+
+    repo = Path(__file__).resolve().parents[1]
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    for name in ("params.yaml", "dvc.yaml"):
+        shutil.copy(repo / name, proj / name)
+    monkeypatch.chdir(proj)
+    mip = write_dataset(raw_scene, proj / "captures" / "garden", levels=(2, 4))
+    flat = write_dataset(raw_scene, proj / "captures" / "flat", binary=False, levels=(), model_dir="sparse")
+    r = CliRunner().invoke(app, ["add-scene", "garden", str(mip)])
+    assert r.exit_code == 0 and "COLMAP dataset" in r.output, r.output
+    r = CliRunner().invoke(app, ["add-scene", "flat", str(flat)])
+    assert r.exit_code == 0, r.output
+    p = load_params(proj / "params.yaml")
+    assert (p.scene("garden").source, p.scene("garden").colmap) == ("captures/garden", "sparse/0")
+    assert p.scene("flat").colmap == "sparse"
+    # images/ without a model: not silently treated as a capture folder of sub-folders
+    shutil.rmtree(flat / "sparse")
+    r = CliRunner().invoke(app, ["add-scene", "nomodel", str(flat)])
+    assert r.exit_code == 2 and "no COLMAP model" in r.output
+
+
+# --------------------------------------------------------------------------------------------- several cameras
+
+
+@pytest.fixture(scope="module")
+def two_cameras(tmp_path_factory) -> tuple[Path, dict]:
+    d = tmp_path_factory.mktemp("two")
+    return d, write_two_camera_views(d)
+
+
+def test_two_camera_collection_registers_with_two_cameras(two_cameras, tmp_path):
+    """Two sizes and two focal lengths, no EXIF: camera_mode auto gives one camera per size; ingest keeps both."""
+    from stages import ingest as ingest_stage
+    from stages import sfm as sfm_stage
+
+    d, truth = two_cameras
+    params = params_from_dict({"base": {"scenes": {"s": {"source": str(d / "images"),
+                                                         "ground_truth": str(d / "model")}}}})
+    paths = ScenePaths("s", tmp_path)
+    m_ingest = ingest_stage.run(params, paths)
+    assert m_ingest["images_kept"] == 16 and m_ingest["image_sizes"] == {"320x240": 8, "400x300": 8}
+    m = sfm_stage.run(params, paths)
+    assert m["source"] == "computed" and m["camera_mode"] == "auto"
+    assert m["images_registered"] == 16 and m["camera_center_error_rel"] < 0.01
+    rec = pycolmap.Reconstruction(str(paths.sparse_dir))
+    assert rec.num_cameras() == 2
+    by_size = {}
+    for im in rec.images.values():
+        cam = rec.cameras[im.camera_id]
+        by_size.setdefault((cam.width, cam.height), set()).add(im.camera_id)
+        c, K, _ = truth[im.name]
+        assert abs(cam.mean_focal_length() - K[0, 0]) / K[0, 0] < 0.03  # each camera found its own focal length
+    assert sorted(by_size) == [(320, 240), (400, 300)]
+    assert all(len(ids) == 1 for ids in by_size.values())  # one camera per size, shared by its 8 images
+    assert sorted((c["width"], c["height"], c["images"]) for c in m["cameras"]) == [(320, 240, 8), (400, 300, 8)]
+
+
+def test_camera_modes_group_by_size_and_exif(tmp_path):
+    from PIL import Image
+
+    from splatflow.scene.sfm import camera_groups, exif_camera
+
+    def save(name, size, make=None, model=None, f_mm=None, f35=None, plane=None):
+        exif = Image.Exif()
+        if make:
+            exif[0x010F], exif[0x0110] = make, model
+        sub = {}
+        if f_mm:
+            sub[0x920A] = f_mm
+        if f35:
+            sub[0xA405] = f35
+        if plane:
+            sub[0xA20E], sub[0xA210], sub[0xA002] = plane
+        if sub:
+            exif[0x8769] = sub
+        Image.new("RGB", size, (90, 120, 150)).save(tmp_path / name, "JPEG", exif=exif.tobytes())
+
+    save("a0.jpg", (400, 300), "Canon", "EOS 5D", 24.0, 38)
+    save("a1.jpg", (400, 300), "Canon", "EOS 5D", 24.0, 38)
+    save("b0.jpg", (400, 300), "Canon", "EOS 5D", 50.0, 80)  # same body and size, other focal length
+    save("c0.jpg", (300, 400))  # portrait, no EXIF
+    save("c1.jpg", (300, 400))
+    save("d0.jpg", (1000, 750), "Sony", "A7", 35.0, None, (2000.0, 3, 2000))  # 2000 px/cm, image at half size
+    names = sorted(p.name for p in tmp_path.iterdir())
+
+    e = exif_camera(tmp_path / "a0.jpg", 400, 300)
+    assert (e.make, e.model, e.focal_from) == ("Canon", "EOS 5D", "exif_35mm")
+    assert e.focal_px == pytest.approx(38 / 36 * 400)
+    d = exif_camera(tmp_path / "d0.jpg", 1000, 750)  # 35 mm x 200 px/mm x (1000 / 2000)
+    assert d.focal_from == "exif_focal_plane" and d.focal_px == pytest.approx(3500.0)
+    assert exif_camera(tmp_path / "c0.jpg", 300, 400).focal_px is None
+
+    auto = camera_groups(tmp_path, names, "auto")
+    assert [g.names for g in auto] == [["a0.jpg", "a1.jpg"], ["b0.jpg"], ["c0.jpg", "c1.jpg"], ["d0.jpg"]]
+    assert len(camera_groups(tmp_path, names, "per_image")) == len(names)
+    with pytest.raises(UserError, match="camera_mode = single.*camera_mode: auto"):
+        camera_groups(tmp_path, names, "single")
+    (single,) = camera_groups(tmp_path, ["a0.jpg", "a1.jpg", "b0.jpg"], "single")
+    assert single.exif.focal_px == pytest.approx(38 / 36 * 400)  # the median prior of its images
+
+
+def test_exif_focal_prior_reaches_colmap(tmp_path):
+    """With an EXIF focal length, the camera COLMAP starts from is marked as a prior at that focal length."""
+    from PIL import Image
+
+    from splatflow.scene.sfm import run_sfm
+
+    write_scene(tmp_path / "s", progress=False, n_views=8, width=160, height=120, arc_deg=40.0, n_points=200)
+    fx = json.loads((tmp_path / "s/ground_truth/cameras.json").read_text())["frames"][0]["K"][0][0]
+    images = tmp_path / "s" / "images"
+    for p in sorted(images.iterdir()):  # 35 mm-equivalent focal length of the true camera
+        exif = Image.Exif()
+        exif[0x8769] = {0xA405: int(round(fx / 160 * 36))}
+        with Image.open(p) as im:
+            im.load()
+            im.save(p, "JPEG", quality=95, exif=exif.tobytes())
+    result = run_sfm(images, tmp_path / "sparse", tmp_path / "und", SfmConfig(), progress=False)
+    (cam,) = result.metrics["cameras"]
+    assert cam["focal_prior_from"] == "exif_35mm"
+    assert cam["focal_prior_px"] == pytest.approx(round(fx / 160 * 36) / 36 * 160, abs=1e-3)
+    assert abs(cam["focal_px"] - fx) / fx < 0.03
