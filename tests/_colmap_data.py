@@ -89,7 +89,7 @@ CAMERAS_2 = ({"width": 320, "height": 240, "hfov_deg": 65.0}, {"width": 400, "he
 
 def write_two_camera_views(out: Path, n_views: int = 16, arc_deg: float = 90.0, seed: int = 0,
                            cameras=CAMERAS_2, supersample: int = 2) -> dict:
-    """Views 0, 2, 4, ... by camera A and 1, 3, 5, ... by camera B, one orbit; ``out/images`` and ``out/model``
+    """Views 0, 2, 4, ... by camera A and 1, 3, 5, ... by camera B, one orbit; ``out/images`` and ``out/sparse``
     (COLMAP text model of the true cameras, two PINHOLE cameras, and the points seen by two views or more).
     Returns ``{name: (camera index, K, world_to_cam)}``."""
     opts = [synthetic.SceneOptions(n_views=n_views, arc_deg=arc_deg, seed=seed, **c) for c in cameras]
@@ -112,7 +112,7 @@ def write_two_camera_views(out: Path, n_views: int = 16, arc_deg: float = 90.0, 
         uvs.append(uv)
         truth[name] = (c, K, w2c)
     keep = seen.sum(axis=0) >= 2
-    model = out / "model"
+    model = out / "sparse"
     model.mkdir(exist_ok=True)
     with open(model / "cameras.txt", "w") as f:
         for c, (o, K) in enumerate(zip(opts, ks)):

@@ -254,7 +254,7 @@ def test_two_camera_collection_registers_with_two_cameras(two_cameras, tmp_path)
 
     d, truth = two_cameras
     params = params_from_dict({"base": {"scenes": {"s": {"source": str(d / "images"),
-                                                         "ground_truth": str(d / "model")}}}})
+                                                         "ground_truth": str(d / "sparse")}}}})
     paths = ScenePaths("s", tmp_path)
     m_ingest = ingest_stage.run(params, paths)
     assert m_ingest["images_kept"] == 16 and m_ingest["image_sizes"] == {"320x240": 8, "400x300": 8}
@@ -338,3 +338,47 @@ def test_exif_focal_prior_reaches_colmap(tmp_path):
     assert cam["focal_prior_from"] == "exif_35mm"
     assert cam["focal_prior_px"] == pytest.approx(round(fx / 160 * 36) / 36 * 160, abs=1e-3)
     assert abs(cam["focal_px"] - fx) / fx < 0.03
+
+
+def test_training_handles_views_of_two_sizes(two_cameras):
+    """Every step renders one view at its own size and intrinsics: a collection of two sizes trains, and both
+    sizes improve (the true cameras and points of the two-camera views, so no SfM is involved)."""
+    from dataclasses import replace
+
+    import torch
+
+    from splatflow.config import TrainConfig
+    from splatflow.render import configure_threads, rasterize
+    from splatflow.scene.dataset import load_scene
+    from splatflow.train import train
+    from splatflow.train.images import read_rgb
+
+    configure_threads(2)
+    d, _ = two_cameras
+    scene = load_scene(d)
+    assert {(v.width, v.height) for v in scene.views} == {(320, 240), (400, 300)}
+    cfg = TrainConfig(max_steps=120, backend="cpu", progress=False, sh_degree=1, sh_degree_interval=60,
+                      patch_max_pixels=0)
+    cfg = replace(cfg, early_stop=replace(cfg.early_stop, enabled=False))
+    res = train(scene, cfg, seed=0)
+    assert res.steps == 120
+
+    def psnr(splats, v, sh_degree):
+        k = (sh_degree + 1) ** 2
+        colors = torch.cat([splats["sh0"], splats["shN"][:, : k - 1]], dim=1)
+        rgb, _, _ = rasterize(splats["means"], splats["quats"], torch.exp(splats["scales"]),
+                              torch.sigmoid(splats["opacities"]), colors,
+                              torch.from_numpy(v.world_to_cam).float()[None], torch.from_numpy(v.K).float()[None],
+                              v.width, v.height, sh_degree=sh_degree, backend="cpu")
+        gt = torch.from_numpy(read_rgb(v.image_path)).float() / 255.0
+        assert rgb.shape[1:3] == gt.shape[:2] == (v.height, v.width)
+        return float(-10 * torch.log10(((rgb[0].clamp(0, 1) - gt) ** 2).mean()))
+
+    from splatflow.model import init_splats
+
+    init = init_splats(scene.points, scene.colors, sh_degree=1, init_opacity=cfg.init_opacity,
+                       init_scale=cfg.init_scale)
+    for size in ((320, 240), (400, 300)):
+        v = next(v for v in scene.views if (v.width, v.height) == size)
+        before, after = psnr(init, v, 0), psnr(res.splats, v, res.sh_degree)
+        assert after > before + 1.0, (size, before, after)  # measured: +1.9 dB and more after 120 steps
