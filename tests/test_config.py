@@ -24,6 +24,10 @@ def test_repo_params_load():
         ({"sfm": {"refine_principal_point": "yes"}}, "sfm.refine_principal_point", "true or false"),
         ({"nonsense": {}}, "nonsense", "allowed keys"),
         ({"base": {"scenes": {"a b": "x"}}}, "base.scenes.a b", "letters"),
+        ({"sfm": {"camera_mode": "per_folder"}}, "sfm.camera_mode", "'per_image'"),
+        ({"base": {"scenes": {"g": {"source": "x", "colmap": ""}}}}, "colmap", "sparse/0"),
+        ({"base": {"scenes": {"g": {"source": "x", "colmap": 0}}}}, "base.scenes.g.colmap", "a string"),
+        ({"split": {"test_names": ["a.jpg", "a.jpg"]}}, "split.test_names", "repeat"),
     ],
 )
 def test_bad_values_name_key_and_allowed(data, key, allowed):
@@ -51,3 +55,10 @@ def test_configs_are_frozen():
     p = params_from_dict({})
     with pytest.raises(Exception):
         p.split.every_n = 3  # type: ignore[misc]
+
+
+def test_colmap_scene_and_new_defaults():
+    p = params_from_dict({"base": {"scenes": {"garden": {"source": "/data/garden", "colmap": "sparse/0"}}}})
+    assert p.scene("garden").colmap == "sparse/0" and p.scene("garden").ground_truth is None
+    assert params_from_dict({"base": {"scenes": {"a": "x"}}}).scene("a").colmap is None
+    assert p.sfm.camera_mode == "auto" and p.split.test_names is None

@@ -63,7 +63,8 @@ def test_outputs_are_binary_model_and_pinhole_undistorted_images(synthetic_sfm):
     paths, m = synthetic_sfm
     assert (paths.sparse_dir / "cameras.bin").exists() and (paths.sparse_dir / "images.bin").exists()
     sparse = pycolmap.Reconstruction(str(paths.sparse_dir))
-    assert [c.model_name for c in sparse.cameras.values()] == ["SIMPLE_RADIAL"]  # one shared camera
+    assert [c.model_name for c in sparse.cameras.values()] == ["SIMPLE_RADIAL"]  # one shared camera (auto, one size)
+    assert m["source"] == "computed" and [c["images"] for c in m["cameras"]] == [12]
     assert sorted(p.name for p in paths.undistorted_dir.iterdir()) == ["images", "sparse"]
     scene = load_scene(paths.undistorted_dir)
     assert len(scene.views) == 12 and len(scene.points) == m["points3d"]
@@ -112,14 +113,15 @@ def test_too_few_registered_images_fail_with_counts_and_advice(tmp_path):
     assert not (tmp_path / "sparse").exists() and not (tmp_path / "undistorted").exists()
 
 
-def test_mixed_image_sizes_are_refused_before_sfm(tmp_path):
+def test_mixed_image_sizes_are_refused_before_sfm_with_one_shared_camera(tmp_path):
+    """camera_mode single shares one camera, which cannot hold two sizes (auto gives each size its own)."""
     import cv2
 
     for i, shape in enumerate([(60, 80, 3)] * 3 + [(80, 60, 3)]):
         cv2.imwrite(str(tmp_path / f"{i}.png"), np.zeros(shape, np.uint8))
     (tmp_path / "notes.txt").write_text("not an image")  # ignored, as COLMAP would choke on it
-    with pytest.raises(UserError, match="different sizes.*3.png"):
-        run_sfm(tmp_path, tmp_path / "sp", tmp_path / "un", SfmConfig(), progress=False)
+    with pytest.raises(UserError, match="different sizes.*3.png.*camera_mode: auto"):
+        run_sfm(tmp_path, tmp_path / "sp", tmp_path / "un", SfmConfig(camera_mode="single"), progress=False)
 
 
 def test_matcher_choice():

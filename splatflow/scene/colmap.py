@@ -236,6 +236,9 @@ def import_model(model_path: Path, images_dir: Path, sparse_dir: Path, undistort
     n_model, n_kept = len(registered), rec.num_reg_images()
     for d in dropped:
         _say(f"dropped {d['image']} from the imported model: {d['reason']}")
+    if dropped:  # a benchmark's every-8th split counts every image: a dropped one shifts the test views
+        _say(f"{len(dropped)} model image(s) dropped: to compare with published numbers keep them (e.g. "
+             f"ingest.blur_rel_threshold: 0 for a rejected blurry image) or name the test views in split.test_names")
     need = max(2, math.ceil(cfg.min_registered_fraction * n_model))
     if n_kept < need:
         examples = "; ".join(f"{d['image']}: {d['reason']}" for d in dropped[:5])
