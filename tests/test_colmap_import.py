@@ -382,3 +382,39 @@ def test_training_handles_views_of_two_sizes(two_cameras):
         v = next(v for v in scene.views if (v.width, v.height) == size)
         before, after = psnr(init, v, 0), psnr(res.splats, v, res.sh_degree)
         assert after > before + 1.0, (size, before, after)  # measured: +1.9 dB and more after 120 steps
+
+
+def test_dvc_pipeline_imports_a_colmap_dataset_and_reruns_when_its_model_changes(tmp_path):
+    """Through `dvc repro`: ingest copies the levels (DVC outputs), sfm imports, split takes the named test views;
+    a changed model file reruns the sfm stage (the dataset folder is its dependency)."""
+    import re
+
+    import yaml
+
+    from tests._project import dvc, make_project
+
+    root = make_project(tmp_path / "proj", scene="garden",
+                        scene_options=dict(n_views=10, width=W, height=H, arc_deg=60.0, n_points=2000))
+    dataset = write_dataset(root / "data/raw/garden", tmp_path / "datasets/garden", binary=True, levels=(2, 4))
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    params["base"]["scenes"] = {"garden": {"source": str(dataset), "colmap": "sparse/0"}}
+    params["split"]["test_names"] = ["0003.jpg", "0006.jpg"]
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+
+    first = dvc(root, "repro", "split@garden")
+    assert re.findall(r"Running stage '([^']+)'", first.stdout) == ["ingest@garden", "sfm@garden", "split@garden"]
+    sfm = json.loads((root / "metrics/garden/sfm.json").read_text())
+    ingest = json.loads((root / "metrics/garden/ingest.json").read_text())
+    assert sfm["source"] == "imported" and sfm["images_registered"] == 10
+    assert ingest["levels"]["images_4"] == {"copied": 10} and len(list((root / "data/garden/images_4").iterdir())) == 10
+    assert json.loads((root / "data/garden/split.json").read_text())["test"] == ["0003.jpg", "0006.jpg"]
+    assert not list(root.rglob("*.db"))
+
+    rec = pycolmap.Reconstruction(str(dataset / "sparse/0"))
+    rec.delete_point3D(next(iter(rec.points3D)))  # the dataset's model changes, its images do not
+    rec.write_binary(str(dataset / "sparse/0"))
+    for extra in ("rigs.bin", "frames.bin"):
+        (dataset / "sparse/0" / extra).unlink()
+    second = dvc(root, "repro", "split@garden")
+    assert "sfm@garden" in re.findall(r"Running stage '([^']+)'", second.stdout)
+    assert json.loads((root / "metrics/garden/sfm.json").read_text())["points3d"] == sfm["points3d"] - 1
