@@ -73,7 +73,7 @@ def test_import_uses_the_given_cameras_and_runs_no_sfm(raw_scene, tmp_path, no_s
     assert m["source"] == "imported" and m["images_registered"] == m["images_total"] == 10
     assert m["images_dropped"] == [] and m["undistorted"] is False and m["camera_models"] == ["PINHOLE"]
     assert m["points3d"] == truth.num_points3D()
-    assert m["camera_center_error_rel"] < 1e-9 and m["camera_rotation_error_deg"] < 1e-4  # arccos near 1: ~1e-6 numerics
+    assert m["camera_center_error_rel"] < 1e-9 and m["camera_rotation_error_deg"] < 1e-4  # arccos: ~1e-6
     assert not list((tmp_path / "proj").rglob("*.db"))  # no feature database was ever created
     # the same outputs as an SfM run: binary model, undistorted images + model, nothing else
     assert (paths.sparse_dir / "cameras.bin").exists() and (paths.sparse_dir / "points3D.bin").exists()

@@ -53,7 +53,8 @@ def sharpness(gray: np.ndarray, measure_width_px: int) -> float:
     """Variance of the Laplacian measured at a fixed width, so images of one capture compare fairly.
 
     Images narrower than ``measure_width_px`` are measured as they are: upsampling would only add interpolation
-    blur, and images compared with each other share one size anyway (odd sizes are rejected first).
+    blur. In a collection of several sizes below that width the comparison is therefore only approximate (a
+    smaller image of the same content scores somewhat sharper), which the relative threshold tolerates.
     """
     width_px = min(measure_width_px, gray.shape[1])
     return laplacian_variance(resize_to_width(gray, width_px))
