@@ -155,6 +155,10 @@ from splatflow import ops_cli  # noqa: E402  (servers, flows, runs: registered a
 
 ops_cli.register(app)
 
+from splatflow import view_cli  # noqa: E402  (view, report, build-web)
+
+view_cli.register(app)
+
 
 if __name__ == "__main__":
     app()

@@ -426,6 +426,22 @@ class ExportConfig:
 
 
 @dataclass(frozen=True)
+class ReportConfig:
+    """The per-scene report (reports/S/index.html): one self-contained page with an embedded 3D viewer."""
+
+    # The embedded splat is cut to the most important Gaussians (opacity x volume) above this count, so the page
+    # stays small enough to open anywhere; the full exported file is linked beside it.
+    preview_max_gaussians: int = 200000
+    preview_sh_degree: int = 3  # SH bands kept in the embedded preview (0-3; fewer bands, smaller page)
+    max_test_views: int = 60  # test views shown as render | ground truth | error (the first ones by name)
+
+    def __post_init__(self):
+        check(self.preview_max_gaussians >= 1, "report.preview_max_gaussians", ">= 1", self.preview_max_gaussians)
+        check(0 <= self.preview_sh_degree <= 3, "report.preview_sh_degree", "0, 1, 2 or 3", self.preview_sh_degree)
+        check(self.max_test_views >= 0, "report.max_test_views", ">= 0", self.max_test_views)
+
+
+@dataclass(frozen=True)
 class Params:
     base: BaseConfig = field(default_factory=BaseConfig)
     ingest: IngestConfig = field(default_factory=IngestConfig)
@@ -435,6 +451,7 @@ class Params:
     prune: PruneConfig = field(default_factory=PruneConfig)
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
 
     def scene(self, name: str) -> SceneSource:
         if name not in self.base.scenes:

@@ -84,3 +84,12 @@ class ScenePaths:
     @property
     def train_csv(self) -> Path:
         return self.plots_dir / "train.csv"
+
+    # reports/<scene>/
+    @property
+    def report_dir(self) -> Path:
+        return self.root / "reports" / self.scene
+
+    @property
+    def report_html(self) -> Path:
+        return self.report_dir / "index.html"

@@ -1,0 +1,30 @@
+"""DVC stage `report`: the scene's stage outputs -> ``reports/<scene>/index.html`` (one self-contained page).
+
+Thin shell: the page is built by :mod:`splatflow.report` (metrics, SfM summary, curves, test views and an embedded
+3D viewer of the exported splat); ``metrics/<scene>/report.json`` records its size and what the preview holds.
+"""
+
+from __future__ import annotations
+
+from splatflow.config import Params
+from splatflow.paths import ScenePaths
+from splatflow.report import build_report
+from splatflow.stage import stage_main
+
+
+def run(params: Params, paths: ScenePaths) -> dict:
+    cfg = params.report
+    metrics = build_report(paths, preview_max_gaussians=cfg.preview_max_gaussians,
+                           preview_sh_degree=cfg.preview_sh_degree, max_test_views=cfg.max_test_views,
+                           max_psnr_drop_db=params.prune.max_psnr_drop_db)
+    print(f"report [{paths.scene}]: {metrics['path']} ({metrics['bytes'] / 2**20:.1f} MB; 3D preview of "
+          f"{metrics['preview_gaussians']} of {metrics['model_gaussians']} Gaussians)")
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> None:
+    stage_main("report", run, argv, needs_threads=False)
+
+
+if __name__ == "__main__":
+    main()
