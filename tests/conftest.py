@@ -58,3 +58,32 @@ def stack(tmp_path, monkeypatch):
         for s in reversed(started):
             s.stop()
         assert not any(s.alive() for s in started)
+
+
+# A reconstruction small enough to run end to end in seconds (10 steps at half resolution, one prune phase):
+# what the report and viewer tests look at.
+LOOK_PARAMS = {
+    "train": {"max_steps": 10, "sh_degree": 1, "sh_degree_interval": 5,
+              "resolution": [{"factor": 0.5, "start_fraction": 0.0}],
+              "blur": {"sigma_start_px": 0.0, "end_fraction": 0.5}, "densify": {"strategy": "none"},
+              "early_stop": {"enabled": False}, "log_every": 2, "progress": False, "checkpoint_every": 1000},
+    "prune": {"phases": 1, "finetune_steps": 2, "progress": False},
+    "evaluate": {"lpips_variants": []},
+}
+
+
+@pytest.fixture(scope="session")
+def reconstructed(tmp_path_factory):
+    """A throw-away project whose scene ``tiny`` went through every DVC stage, report included (``dvc repro``)."""
+    from splatflow import webbundle
+    from tests._project import dvc, make_project
+
+    if not webbundle.is_current():
+        import shutil
+
+        if shutil.which("npm") is None:
+            pytest.skip("the report's viewer script is not built and npm is missing: run `make web`")
+        webbundle.build(log=lambda s: None)
+    root = make_project(tmp_path_factory.mktemp("look") / "p", overrides=LOOK_PARAMS)
+    dvc(root, "repro")
+    return root

@@ -8,8 +8,8 @@
 //   meshMatrix: 16 numbers, column-major: the splat's object-to-world matrix (the report's frame conversion)
 //   cameras:   [{name, matrix (16, column-major camera-to-world in three's convention), fovY (deg), aspect}]
 //   target:    [x, y, z] orbit centre
-// The element gets data-state="loading" | "ready" | "error" and data-frames (frames drawn after loading), so a
-// test (or a user) can tell a drawn splat from a page that is still loading.
+// The element gets data-state="loading" | "ready" | "error" (with data-error) and data-frames (animation frames
+// drawn since loading; headless --dump-dom runs no animation frames, so tests judge drawing from screenshots).
 import * as THREE from "three";
 import { OrbitControls } from "three/addons/controls/OrbitControls.js";
 import { SparkRenderer, SplatMesh } from "@sparkjsdev/spark";
