@@ -8,7 +8,7 @@ export MLFLOW_DISABLE_TELEMETRY := true
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 
-.PHONY: venv demo test repro ui serve
+.PHONY: venv web demo test repro ui serve
 
 # torch==2.13.0 (CPU) is pinned in pyproject.toml; gsplat goes in without its deps, which would pull another torch.
 $(VENV)/.installed: pyproject.toml
@@ -22,14 +22,24 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
-demo: venv
+# The report's 3D viewer: pinned npm packages (splatflow/web/package-lock.json) bundled into one script (needs npm).
+WEB := splatflow/web/dist/splat-viewer.js
+$(WEB): splatflow/web/package.json splatflow/web/package-lock.json splatflow/web/entry.js $(VENV)/.installed
+	$(VENV)/bin/splatflow build-web
+
+web: venv $(WEB)
+
+demo: venv web
 	$(VENV)/bin/splatflow demo-scene
 	$(VENV)/bin/splatflow run demo
+	@echo
+	@echo "report:  $(CURDIR)/reports/demo/index.html   (open it in a browser; it works offline)"
+	@echo "viewer:  $(VENV)/bin/splatflow view demo        (interactive, http://127.0.0.1:8080; Ctrl-C stops)"
 
 repro: venv
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/dvc repro
 
-test: venv
+test: venv web
 	$(PY) -m pytest -q
 
 ui: venv

@@ -116,6 +116,9 @@ def batch(scenes: Optional[list[str]] = None, sweep: Optional[list[dict[str, Any
                 _summarise(cl, parent_id)
             with contextlib.suppress(Exception):
                 cl.set_terminated(parent_id, status)
+    if cl is not None:
+        with contextlib.suppress(Exception):
+            _publish_table(cl, parent_id)
     if failed:
         raise RuntimeError(f"{len(failed)} of {len(results)} scene runs did not complete: "
                            + ", ".join(f"{r['job']} ({r['state']})" for r in failed))
@@ -142,6 +145,22 @@ def _summarise(cl, parent_id: str) -> None:
         p = Path(tmp) / "batch_summary.csv"
         p.write_text(buf.getvalue())
         cl.log_artifact(parent_id, str(p))
+
+
+def _publish_table(cl, parent_id: str) -> None:
+    """A Prefect table artifact in the batch flow run: one row per scene run with its headline metrics."""
+    from prefect.artifacts import create_table_artifact
+
+    rows = []
+    for r in sorted(child_runs(cl, parent_id), key=lambda r: r.info.run_name or ""):
+        m, t = r.data.metrics, r.data.tags
+        rows.append({"run": r.info.run_name, "scene": t.get("splatflow.scene"),
+                     "overrides": t.get("splatflow.overrides", ""), "status": r.info.status,
+                     "psnr": m.get("evaluate.psnr"), "ssim": m.get("evaluate.ssim"),
+                     "gaussians": m.get("evaluate.gaussians"), "train_s": m.get("train.train_seconds"),
+                     "mlflow_run": tracking.run_ui_url(r.info.experiment_id, r.info.run_id)})
+    if rows:
+        create_table_artifact(rows, key="splatflow-batch", description="scene runs of this batch")
 
 
 if __name__ == "__main__":

@@ -108,7 +108,27 @@ def reproduce(root: Path, scene: str, *, main_root: Path, force: bool, stage_tim
         if cl is not None and run_id is not None:
             tracking.finalize_scene_run(cl, run_id, root, scene, stages, status)
     metrics = cl.get_run(run_id).data.metrics if cl is not None else {}
-    return {"scene": scene, "run_id": run_id, "stages": results, "metrics": metrics, "workspace": str(root)}
+    artifact = publish_summary(root, scene, main_root=main_root, run_id=run_id, cl=cl, uri=uri)
+    return {"scene": scene, "run_id": run_id, "stages": results, "metrics": metrics, "workspace": str(root),
+            "artifact_id": artifact}
+
+
+def publish_summary(root: Path, scene: str, *, main_root: Path, run_id: Optional[str], cl, uri: str) -> Optional[str]:
+    """A Prefect markdown artifact in this flow run: headline metrics, the MLflow run's link, the report."""
+    from prefect.artifacts import create_markdown_artifact
+
+    from splatflow.paths import ScenePaths
+    from splatflow.report import summary_markdown
+
+    paths = ScenePaths(scene, root)
+    run_url = None
+    if cl is not None and run_id is not None:
+        run_url = tracking.run_ui_url(cl.get_run(run_id).info.experiment_id, run_id, uri)
+    # A worktree run's files vanish with its worktree: then the MLflow artifact is where the report lives.
+    location = str(paths.report_html) if paths.report_html.exists() and root == main_root else None
+    key = "splatflow-" + "".join(ch if ch.isalnum() else "-" for ch in scene.lower())
+    return str(create_markdown_artifact(summary_markdown(paths, run_url=run_url, report_location=location),
+                                        key=key, description=f"splatflow results of scene {scene}"))
 
 
 @flow(name="reconstruct", log_prints=True)

@@ -514,3 +514,39 @@ controls: <code>splatflow view {html.escape(paths.scene)}</code>.</p>
             "bytes": out.stat().st_size, "preview_gaussians": n_prev, "model_gaussians": n_full,
             "preview_sh_degree": prev_degree, "preview_spz_bytes": len(spz), "test_views_shown": len(shown),
             "cameras": len(cameras), "model_file": rel(model_file)}
+
+
+# --------------------------------------------------------------------------------------------- dashboards
+
+
+def headline(paths: ScenePaths) -> dict[str, Any]:
+    """The few numbers a dashboard shows for a scene run (None where a stage has not written them)."""
+    m = {s: _read_json(paths.metrics_json(s)) for s in ("sfm", "train", "prune", "evaluate", "export")}
+    ev = m["evaluate"]
+    lpips = {k: ev.get(k) for k in LPIPS_NAMES if k in ev}
+    return {"psnr": ev.get("psnr"), "ssim": ev.get("ssim"), **lpips, "gaussians": ev.get("gaussians"),
+            "model_size_mb": ev.get("model_size_mb"), "train_seconds": m["train"].get("train_seconds"),
+            "steps_per_s": m["train"].get("it_per_s"), "peak_rss_mb_train": m["train"].get("peak_rss_mb"),
+            "registered": m["sfm"].get("images_registered"), "images": m["sfm"].get("images_total"),
+            "test_views": ev.get("test_views")}
+
+
+def summary_markdown(paths: ScenePaths, *, run_url: str | None = None, report_location: str | None = None) -> str:
+    """Markdown for a Prefect artifact: headline metrics, the MLflow run and where the report is."""
+    h = headline(paths)
+    rows = [("test PSNR (dB)", fmt_value(h["psnr"], 2)), ("test SSIM", fmt_value(h["ssim"], 4)),
+            *[(LPIPS_NAMES[k], fmt_value(h[k], 4)) for k in LPIPS_NAMES if k in h],
+            ("Gaussians", fmt_value(h["gaussians"], 0)), ("model size (MB)", fmt_value(h["model_size_mb"], 2)),
+            ("training time (s)", fmt_value(h["train_seconds"], 1)), ("steps/s", fmt_value(h["steps_per_s"], 2)),
+            ("peak memory, train (MB)", fmt_value(h["peak_rss_mb_train"], 0)),
+            ("registered images", f"{fmt_value(h['registered'], 0)} / {fmt_value(h['images'], 0)}"),
+            ("test views", fmt_value(h["test_views"], 0))]
+    lines = [f"# splatflow: {paths.scene}", "", "| metric | value |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in rows]
+    lines.append("")
+    if run_url:
+        lines.append(f"MLflow run: [{run_url}]({run_url}) (the report is its artifact `reports/{paths.scene}/index.html`)")
+    if report_location:
+        lines.append(f"\nReport: `{report_location}`")
+    lines.append(f"\nInteractive viewer: `splatflow view {paths.scene}`")
+    return "\n".join(lines) + "\n"

@@ -61,6 +61,11 @@ MAX_DIR_FILES = 500
 STEP_FLUSH_SECONDS = 2.0  # live enough for the UI, cheap enough (one log_batch costs ~20 ms)
 STEP_FLUSH_ROWS = 500  # MLflow accepts at most 1000 metrics per log_batch
 
+#: MLflow 3's UI opens an experiment in its GenAI view unless this tag marks it for model training.
+EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
+#: Where ``splatflow ui`` serves the MLflow UI (used for links when the tracking URI is a local database).
+DEFAULT_UI_URL = "http://127.0.0.1:5000"
+
 _ACTIVE: "StageTracker | None" = None  # the tracker of the stage running in this process
 
 
@@ -118,18 +123,29 @@ def experiment_id(cl, name: str | None = None, uri: str | None = None) -> str:
     name = name or os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT
     exp = cl.get_experiment_by_name(name)
     if exp is not None:
+        if EXPERIMENT_KIND_TAG not in (exp.tags or {}):
+            with contextlib.suppress(Exception):
+                cl.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
         return exp.experiment_id
     uri = uri or getattr(getattr(cl, "_tracking_client", None), "tracking_uri", None)
     location = None
     if uri and uri.startswith("sqlite:///"):
         location = (Path(uri[len("sqlite:///"):]).parent / "mlartifacts").resolve().as_uri()
     try:
-        return cl.create_experiment(name, artifact_location=location)
+        return cl.create_experiment(name, artifact_location=location, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
     except Exception:  # another process created it between our get and create
         exp = cl.get_experiment_by_name(name)
         if exp is None:
             raise
         return exp.experiment_id
+
+
+def run_ui_url(experiment: str, run_id: str, uri: str | None = None) -> str:
+    """The run's page in the MLflow UI: the tracking server itself, or ``SPLATFLOW_MLFLOW_UI`` (default
+    ``splatflow ui``'s address) when runs go to a local database."""
+    uri = uri or tracking_uri()
+    base = uri if uri.startswith(("http://", "https://")) else os.environ.get("SPLATFLOW_MLFLOW_UI", DEFAULT_UI_URL)
+    return f"{base.rstrip('/')}/#/experiments/{experiment}/runs/{run_id}"
 
 
 # --------------------------------------------------------------------------------------------- provenance

@@ -54,10 +54,14 @@ def flow_run(project):
 
             state = reconstruct(scene="tiny", repo=str(project), return_state=True)
             result = state.result(raise_on_failure=False)
+            from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
             with get_client(sync_client=True) as client:
                 frid = state.state_details.flow_run_id
                 tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[frid])))
-            yield {"state": state, "result": result, "tasks": tasks}
+                artifacts = client.read_artifacts(
+                    artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[frid])))
+            yield {"state": state, "result": result, "tasks": tasks, "artifacts": artifacts}
     finally:
         mp.undo()
 
@@ -65,7 +69,8 @@ def flow_run(project):
 def test_scene_flow_runs_every_stage_and_logs_to_mlflow(project, flow_run, monkeypatch, tmp_path):
     assert flow_run["state"].is_completed(), flow_run["result"]
     stages = dvcrun.stage_order(project, "tiny")
-    assert [s.partition("@")[0] for s in stages] == ["ingest", "sfm", "split", "train", "prune", "evaluate", "export"]
+    assert [s.partition("@")[0] for s in stages] == ["ingest", "sfm", "split", "train", "prune", "evaluate", "export",
+                                                     "report"]
     tasks = {t.name: t for t in flow_run["tasks"]}
     assert set(tasks) == set(stages), "one Prefect task per DVC stage, named after it"
     assert all(t.state.is_completed() for t in tasks.values())
@@ -77,7 +82,7 @@ def test_scene_flow_runs_every_stage_and_logs_to_mlflow(project, flow_run, monke
     assert r.info.status == "FINISHED"
     assert r.data.params["train.max_steps"] == "10" and r.data.params["base.seed"] == "0"
     m = r.data.metrics
-    for stage in ("ingest", "sfm", "split", "train", "prune", "evaluate", "export"):
+    for stage in ("ingest", "sfm", "split", "train", "prune", "evaluate", "export", "report"):
         assert any(k.startswith(stage + ".") for k in m), f"no final metrics of {stage}"
     assert m["sfm.images_registered"] == 12
     assert m["evaluate.psnr"] > 12.0  # a flat grey image scores ~9 dB on this scene
@@ -93,6 +98,17 @@ def test_scene_flow_runs_every_stage_and_logs_to_mlflow(project, flow_run, monke
     names = {a.path for a in cl.list_artifacts(run_id, "models/tiny/export")}
     assert {"models/tiny/export/scene.splat", "models/tiny/export/scene.spz"} <= names
     assert {a.path for a in cl.list_artifacts(run_id, "plots/tiny")} >= {"plots/tiny/train.png"}
+    # The report is an artifact of the scene run (MLflow previews HTML), the same file the stage wrote.
+    report = cl.download_artifacts(run_id, "reports/tiny/index.html", str(tmp_path))
+    assert Path(report).read_bytes() == (project / "reports/tiny/index.html").read_bytes()
+    exp = cl.get_experiment(r.info.experiment_id)
+    assert exp.tags.get("mlflow.experimentKind") == "custom_model_development"  # the UI's model-training view
+
+    # The Prefect flow run holds a markdown artifact with the headline metrics and the MLflow run's link.
+    (md,) = [a for a in flow_run["artifacts"] if a.type == "markdown"]
+    assert md.key == "splatflow-tiny" and run_id in md.data
+    assert f"| test PSNR (dB) | {m['evaluate.psnr']:.2f} |" in md.data
+    assert str(project / "reports/tiny/index.html") in md.data
 
 
 def test_rerun_of_previous_commit_reproduces_its_metrics(project, flow_run, monkeypatch):
