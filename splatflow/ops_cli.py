@@ -228,7 +228,9 @@ def register(app: typer.Typer) -> None:
     def compare_cmd(run_ids: Optional[list[str]] = typer.Argument(None, help="runs (default: the two newest "
                                                                    "finished scene runs)"),
                     all_params: bool = typer.Option(False, help="show equal params too"),
-                    scene: Optional[str] = typer.Option(None, help="with no RUNs: newest runs of this scene")):
+                    scene: Optional[str] = typer.Option(None, help="with no RUNs: newest runs of this scene"),
+                    html_out: Optional[Path] = typer.Option(None, "--html", help="also write a side-by-side page of "
+                                                            "two runs (params, metric deltas, curves, test views)")):
         """Side-by-side table of runs: params that differ, and every final metric."""
         import pandas as pd
 
@@ -245,6 +247,16 @@ def register(app: typer.Typer) -> None:
         with pd.option_context("display.max_rows", None, "display.max_columns", None, "display.width", 200,
                                "display.max_colwidth", 40):
             typer.echo(df.to_string())
+        if html_out is not None:
+            if len(ids) != 2:
+                _fail(f"--html compares exactly two runs, got {len(ids)}")
+            from splatflow.compare_html import write_compare_html
+            from splatflow.errors import UserError
+
+            try:
+                typer.echo(f"wrote {write_compare_html(ids[0], ids[1], html_out)}")
+            except UserError as e:
+                _fail(str(e))
 
     @app.command("rerun")
     def rerun_cmd(commit: str = typer.Argument(..., help="git commit (or ref) to reproduce"),
