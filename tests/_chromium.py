@@ -63,3 +63,27 @@ def normalized_small(img: np.ndarray, size=(32, 24)) -> np.ndarray:
 
     x = np.asarray(Image.fromarray(img.astype(np.uint8)).convert("L").resize(size, Image.BILINEAR), np.float64)
     return (x - x.mean()) / max(x.std(), 1e-9)
+
+
+BUDGETS_MS = (15000, 45000, 120000)
+
+
+def screenshot_until(url: str, out: Path, ok, budgets=BUDGETS_MS, **kw) -> np.ndarray:
+    """Screenshots with growing virtual-time budgets until ``ok(image)``; the last one either way.
+
+    Workers, WebGL compilation (SwiftShader) and websockets run in real time while the page's virtual time can run
+    ahead of them on a busy machine, so a fixed budget is either slow everywhere or flaky under load.
+    """
+    for budget in budgets:
+        img = screenshot(url, out, budget_ms=budget, **kw)
+        if ok(img):
+            break
+    return img
+
+
+def dump_dom_until(url: str, ok, budgets=BUDGETS_MS, **kw) -> str:
+    for budget in budgets:
+        dom = dump_dom(url, budget_ms=budget, **kw)
+        if ok(dom):
+            break
+    return dom

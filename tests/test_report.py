@@ -119,22 +119,30 @@ def test_report_opened_from_disk_offline_shows_the_splat(reconstructed, tmp_path
     shutil.copy(reconstructed / "reports/tiny/index.html", alone)
     url = alone.as_uri()
 
-    dom = _chromium.dump_dom(url, offline=True)
+    dom = _chromium.dump_dom_until(url, lambda d: _parse(d).viewer.get("data-state") != "loading", offline=True)
     viewer = _parse(dom).viewer
     assert viewer.get("data-state") == "ready", viewer.get("data-error", viewer)
 
-    shot = _chromium.screenshot(url, tmp_path / "report.png", offline=True, size=(1200, 900))
-    # The viewer box: the largest run of rows/columns that is not the page's light background, top of the page.
     style = viewer["style"]
     w = int(style.split("width:")[1].split("px")[0])
     h = int(style.split("height:")[1].split("px")[0])
-    page_bg = shot[5, 5].astype(int)
-    dark = np.abs(shot.astype(int) - page_bg).sum(2) > 30
-    rows = np.where(dark.sum(1) > 0.8 * w)[0]
-    cols = np.where(dark.sum(0) > 0.5 * min(h, shot.shape[0] - rows[0]))[0]
-    top, left = rows[0] + 2, cols[0] + 2
-    canvas = shot[top: top + h - 4, left: left + w - 4]
     bg = np.array([int(BACKGROUND[i: i + 2], 16) for i in (1, 3, 5)])
+
+    def viewer_canvas(shot):
+        # The viewer box: the rows and columns at the top of the page that are not the page's light background.
+        page_bg = shot[5, 5].astype(int)
+        dark = np.abs(shot.astype(int) - page_bg).sum(2) > 30
+        rows = np.where(dark.sum(1) > 0.8 * w)[0]
+        cols = np.where(dark.sum(0) > 0.5 * min(h, shot.shape[0] - rows[0]))[0]
+        top, left = rows[0] + 2, cols[0] + 2
+        return shot[top: top + h - 4, left: left + w - 4]
+
+    def drawn_fraction(shot):
+        return float((np.abs(viewer_canvas(shot).astype(int) - bg).sum(2) > 24).mean())
+
+    shot = _chromium.screenshot_until(url, tmp_path / "report.png", lambda s: drawn_fraction(s) > 0.3, offline=True,
+                                      size=(1200, 900))
+    canvas = viewer_canvas(shot)
     drawn = np.abs(canvas.astype(int) - bg).sum(2) > 24
     assert drawn.mean() > 0.3, f"only {drawn.mean():.1%} of the viewer canvas differs from its background"
     assert canvas.reshape(-1, 3).std(0).mean() > 8, "the viewer canvas is uniform"
