@@ -208,8 +208,8 @@ def training_curves(train_csv: Path) -> str | None:
         ax.set_xlabel("step")
     top = axes[0][0]
     for a, b, label in spans:
-        top.annotate(label, xy=((a + b) / 2, 1.0), xycoords=("data", "axes fraction"), ha="center",
-                     va="bottom", fontsize=7, color="0.35")
+        top.annotate(label, xy=((a + b) / 2, 0.98), xycoords=("data", "axes fraction"), ha="center",
+                     va="top", fontsize=7, color="0.35")
     fig.suptitle("training (shaded/dashed: resolution phases; blur sigma falls to 0)", fontsize=11)
     fig.tight_layout()
     return _png_data_uri(fig)

@@ -142,10 +142,11 @@ def experiment_id(cl, name: str | None = None, uri: str | None = None) -> str:
 
 def run_ui_url(experiment: str, run_id: str, uri: str | None = None) -> str:
     """The run's page in the MLflow UI: the tracking server itself, or ``SPLATFLOW_MLFLOW_UI`` (default
-    ``splatflow ui``'s address) when runs go to a local database."""
+    ``splatflow ui``'s address) when runs go to a local database.  ``workflowType=machine_learning`` opens MLflow
+    3.17's UI in its model-training view (its default is the GenAI one, a per-browser setting)."""
     uri = uri or tracking_uri()
     base = uri if uri.startswith(("http://", "https://")) else os.environ.get("SPLATFLOW_MLFLOW_UI", DEFAULT_UI_URL)
-    return f"{base.rstrip('/')}/#/experiments/{experiment}/runs/{run_id}"
+    return f"{base.rstrip('/')}/#/experiments/{experiment}/runs/{run_id}?workflowType=machine_learning"
 
 
 # --------------------------------------------------------------------------------------------- provenance

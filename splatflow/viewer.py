@@ -150,6 +150,16 @@ def scene_up(cameras: list[CameraInfo]) -> np.ndarray:
     return up / n if n > 1e-9 else np.array([0.0, -1.0, 0.0])
 
 
+def camera_spacing(cameras: list[CameraInfo], extent: float) -> float:
+    """Median distance from each camera to its nearest neighbour (frustum size, overview distance)."""
+    if len(cameras) < 2:
+        return max(extent / 20, 1e-3)
+    c = np.stack([cam.center for cam in cameras])
+    d = np.linalg.norm(c[:, None] - c[None], axis=2)
+    np.fill_diagonal(d, np.inf)
+    return float(max(np.median(d.min(1)), 1e-6))
+
+
 class SplatViewer:
     """The running viewer: a viser server holding the splats, the frustums and the GUI controls."""
 
@@ -171,13 +181,16 @@ class SplatViewer:
         self._base_alpha = 1.0 / (1.0 + np.exp(-s["opacities"].astype(np.float64)))
         self._extent = float(np.linalg.norm(np.percentile(s["means"], 95, 0) - np.percentile(s["means"], 5, 0)))
         self._point_size = max(1e-4, self._extent / 400.0)
+        self._spacing = camera_spacing(model.cameras, self._extent)
         up = scene_up(model.cameras)
         self.server.scene.set_up_direction(tuple(float(x) for x in up))
         self._add_cameras()
         self._add_gui()
         self._start = self._pick_start(start_camera)
         if self._start is not None:
-            self._set_initial_camera(self._start)
+            # --camera NAME starts exactly there; by default the view starts a few camera spacings behind the first
+            # test camera, so the scene and the camera frustums around it are in sight.
+            self._set_initial_camera(self._start, back=0.0 if start_camera else 3.0 * self._spacing)
         self._redraw(None)
         self.server.on_client_connect(self._on_connect)
         self.server.on_client_disconnect(lambda client: self._eyes.pop(client.client_id, None))
@@ -193,10 +206,10 @@ class SplatViewer:
         raise UserError(f"--camera {name!r} is not a camera of this scene "
                         f"(cameras: {', '.join(Path(c.name).stem for c in cams) or 'none'})")
 
-    def _set_initial_camera(self, cam: CameraInfo) -> None:
+    def _set_initial_camera(self, cam: CameraInfo, back: float = 0.0) -> None:
         R = cam.world_to_cam[:3, :3].T  # camera -> world
         ic = self.server.initial_camera
-        ic.position = tuple(float(x) for x in cam.center)
+        ic.position = tuple(float(x) for x in cam.center - R[:, 2] * back)
         ic.look_at = tuple(float(x) for x in cam.center + R[:, 2] * self._look_distance(cam))
         ic.up = tuple(float(x) for x in -R[:, 1])
         ic.fov = math.radians(cam.fov_y_deg)
@@ -211,9 +224,7 @@ class SplatViewer:
         cams = self.model.cameras
         if not cams:
             return
-        centers = np.stack([c.center for c in cams])
-        spacing = np.median(np.linalg.norm(np.diff(centers, axis=0), axis=1)) if len(cams) > 1 else 0.1
-        size = float(max(spacing * 0.6, 1e-3))
+        size = float(max(self._spacing * 0.6, 1e-3))
         for c in cams:
             R = c.world_to_cam[:3, :3].T
             h = self.server.scene.add_camera_frustum(
