@@ -54,7 +54,7 @@ def test_add_scene_video_and_bad_inputs(project):
 def test_run_targets_follow_dvc_yaml_order():
     names = stage_order(REPO, "demo")  # what `splatflow run demo` passes to dvc repro
     assert names[:3] == ["ingest@demo", "sfm@demo", "split@demo"]
-    assert names[-1] == "export@demo"
+    assert names[-2:] == ["export@demo", "report@demo"]
 
 
 def test_run_unknown_scene_fails_clearly(project):
