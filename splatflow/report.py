@@ -22,10 +22,11 @@ import html
 import io
 import json
 import math
+import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -363,8 +364,6 @@ def build_report(paths: ScenePaths, *, preview_max_gaussians: int = 200000, prev
     report_dir = paths.report_dir.resolve()
 
     def rel(p: Path) -> str:
-        import os
-
         return os.path.relpath(Path(p).resolve(), report_dir)
 
     m = metrics
