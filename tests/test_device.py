@@ -21,23 +21,15 @@ import torch
 from splatflow.config import EvaluateConfig, TrainConfig
 from splatflow.lpips import LpipsSet
 from splatflow.model import init_splats, load_checkpoint
-from splatflow.render import configure_threads
+from tests._tiny import write_tiny_scene
 
-TEST_IDS = (3, 7)
 
 
 @pytest.fixture(scope="module")
 def scene(tmp_path_factory):
     from splatflow.scene.dataset import load_scene
-    from splatflow.scene.synthetic import write_scene
 
-    configure_threads(2)
-    d = tmp_path_factory.mktemp("device_scene")
-    write_scene(d, progress=False, n_views=10, width=64, height=48, arc_deg=60, n_points=1500, supersample=1)
-    names = sorted(p.name for p in (d / "images").iterdir())
-    split = {"train": [n for i, n in enumerate(names) if i not in TEST_IDS],
-             "test": [names[i] for i in TEST_IDS], "rule": "interior views 3 and 7"}
-    (d / "split.json").write_text(json.dumps(split))
+    d = write_tiny_scene(tmp_path_factory.mktemp("device_scene"), width=64, height=48, n_points=1500)
     return load_scene(d, d / "split.json")
 
 

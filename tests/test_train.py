@@ -5,7 +5,6 @@ points, so these tests do not depend on SfM. Test views are interior views (3 an
 """
 
 import csv
-import json
 import math
 import os
 import signal
@@ -23,23 +22,14 @@ from splatflow.model import init_splats, load_checkpoint, load_splats
 from splatflow.render import configure_threads, rasterize
 from splatflow.train import GradientHealthError, Trainer, finetune, photometric_loss, train
 from splatflow.train.loop import CSV_FIELDS
+from tests._tiny import write_tiny_scene
 
 ROOT = Path(__file__).resolve().parents[1]
-TEST_IDS = (3, 7)
 
 
 @pytest.fixture(scope="module")
 def scene_dir(tmp_path_factory):
-    from splatflow.scene.synthetic import write_scene
-
-    configure_threads(2)
-    d = tmp_path_factory.mktemp("tiny_scene")
-    write_scene(d, progress=False, n_views=10, width=96, height=72, arc_deg=60, n_points=3000, supersample=1)
-    names = sorted(p.name for p in (d / "images").iterdir())
-    split = {"train": [n for i, n in enumerate(names) if i not in TEST_IDS],
-             "test": [names[i] for i in TEST_IDS], "rule": "test: interior views 3 and 7"}
-    (d / "split.json").write_text(json.dumps(split))
-    return d
+    return write_tiny_scene(tmp_path_factory.mktemp("tiny_scene"))
 
 
 @pytest.fixture(scope="module")
