@@ -11,7 +11,10 @@ Target (issue 4): >= 28 dB test PSNR with <= 10 minutes of training on 2 cores.
 
     python bench/train_demo.py [--work DIR] [--json PATH] [--max-steps N] [--threads 2]
 
-``--work`` keeps the generated scene and SfM between runs (reused when present).
+``--work`` keeps the generated scene and SfM between runs (reused when present). Training always starts from
+nothing: a checkpoint and training CSV left in the work folder by an earlier (e.g. killed) run are deleted first,
+since resuming would report that run's steps and seconds as this one's. ``--resume`` continues such a checkpoint
+instead, says so, and reports only the time this process trained.
 """
 
 from __future__ import annotations
@@ -88,6 +91,8 @@ def main(argv=None):
     ap.add_argument("--max-steps", type=int, default=None, help="override train.max_steps (default: params.yaml)")
     ap.add_argument("--set", action="append", default=[],
                     help="override a train param for experiments, e.g. --set densify.grow_grad2d=0.0001")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue the unfinished checkpoint in --work instead of starting from nothing (reported)")
     ap.add_argument("--eval-only", type=Path, metavar="CKPT",
                     help="only measure test PSNR of a checkpoint (e.g. one saved on SIGTERM) and print its step")
     args = ap.parse_args(argv)
@@ -131,11 +136,34 @@ def main(argv=None):
         cfg = params_from_dict(raw).train
     print(f"scene: {len(scene.train_views)} train / {len(scene.test_views)} test views, {len(scene.points)} SfM "
           f"points; {cfg.max_steps} steps, strategy {cfg.densify.strategy}", flush=True)
+    ckpt, csv = args.work / "ckpt.pt", args.work / "train.csv"
+    prior_s, prior_step = 0.0, 0
+    if args.resume:
+        cfg = replace(cfg, resume=True)
+        if ckpt.exists():
+            from splatflow.model import load_checkpoint
+
+            ck = load_checkpoint(ckpt)
+            prior_s, prior_step = float(ck.get("elapsed_seconds", 0.0)), int(ck["step"])
+    else:  # a benchmark starts from nothing: never continue an earlier run's checkpoint
+        cfg = replace(cfg, resume=False)
+        for stale in (ckpt, csv):
+            if stale.exists():
+                print(f"removing {stale} left by an earlier run (this benchmark starts from nothing)", flush=True)
+                stale.unlink()
     load0 = os.getloadavg()
     t0 = time.perf_counter()
     cpu0 = os.times()
-    res = train(scene, cfg, ckpt_path=args.work / "ckpt.pt", csv_path=args.work / "train.csv", seed=0)
+    res = train(scene, cfg, ckpt_path=ckpt, csv_path=csv, seed=0)
     wall = time.perf_counter() - t0
+    if res.resumed_from is not None:
+        if not args.resume:
+            raise RuntimeError(f"training resumed from step {res.resumed_from} although resume was off")
+        own = res.train_seconds - prior_s
+        print(f"!!! RESUMED from the checkpoint at step {res.resumed_from} ({prior_s:.0f} s of earlier training): "
+              f"the figures below count only this process's {own:.0f} s and {res.steps - prior_step} steps; "
+              "the test PSNR is that of the whole (combined) run !!!", flush=True)
+        res = replace(res, train_seconds=own)
     cpu1 = os.times()
     # On a shared machine wall time measures the other people's jobs too; the process's CPU time divided by the
     # thread count is what the same run costs on `threads` dedicated cores (a lower bound: it assumes perfect

@@ -47,3 +47,164 @@ def test_ssim_float32_identity_and_gradcheck():
     xs = torch.rand(1, 3, 12, 14, generator=g, dtype=torch.float64, requires_grad=True)
     ys = torch.rand(1, 3, 12, 14, generator=g, dtype=torch.float64)
     assert torch.autograd.gradcheck(lambda t: ssim(t, ys), (xs,))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The CPU path (numba kernels of splatflow.render.filters) against the torch path kept for other devices, the
+# written-out formula, and finite differences; and the device rule: CPU tensors -> numba, others -> torch, with
+# no tensor made on the default device.
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from splatflow.render.filters import GaussianBlurCPU, SSIMCPU, band_matrix, gaussian_taps  # noqa: E402
+from splatflow.render.ssim import ssim_torch  # noqa: E402
+from splatflow.train.schedules import gaussian_blur, gaussian_blur_torch  # noqa: E402
+
+
+def _pair(shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    y = torch.rand(shape, generator=g, dtype=dtype)
+    x = (y + 0.2 * torch.randn(shape, generator=g, dtype=dtype)).clamp(0, 1)
+    return x, y
+
+
+def _dense(n, taps, mode, transpose=False):
+    """The banded matrix as a dense [n, n] one."""
+    band, start, _, _ = band_matrix(n, taps, mode, transpose)
+    M = np.zeros((n, n))
+    for j in range(n):
+        M[j, start[j]:start[j] + band.shape[1]] += band[j]
+    return M
+
+
+@pytest.mark.parametrize("n,r", [(1, 0), (4, 3), (7, 5), (11, 5), (12, 5), (40, 5), (23, 8)])
+def test_band_matrices_are_the_padded_filters_and_their_transposes(n, r):
+    taps = gaussian_taps(r, 1.7)
+    e = np.eye(n)
+    # zero padding: M @ e_k is the filter applied to a unit impulse with zeros outside
+    Z = _dense(n, taps, "zero")
+    zref = torch.nn.functional.conv1d(torch.from_numpy(e)[:, None], torch.from_numpy(taps)[None, None], padding=r)
+    np.testing.assert_allclose(Z, zref[:, 0].numpy().T, atol=1e-15)
+    np.testing.assert_allclose(_dense(n, taps, "zero", True), Z.T, atol=1e-15)
+    if r <= n - 1:
+        R = _dense(n, taps, "reflect")
+        padded = torch.nn.functional.pad(torch.from_numpy(e)[:, None], (r, r), mode="reflect") if r else \
+            torch.from_numpy(e)[:, None]
+        rref = torch.nn.functional.conv1d(padded, torch.from_numpy(taps)[None, None])
+        np.testing.assert_allclose(R, rref[:, 0].numpy().T, atol=1e-15)
+        np.testing.assert_allclose(_dense(n, taps, "reflect", True), R.T, atol=1e-15)
+        assert np.allclose(R.sum(axis=1), 1.0)  # a constant row stays constant
+    else:
+        with pytest.raises(ValueError, match="radius"):
+            band_matrix(n, taps, "reflect")
+
+
+@pytest.mark.parametrize("shape", [(1, 3, 37, 53), (2, 3, 16, 16), (1, 3, 7, 9), (1, 1, 12, 11), (1, 3, 1, 20)])
+def test_cpu_ssim_matches_torch_path_float32(shape):
+    x, y = _pair(shape, torch.float32, 3)
+    x1, y1 = x.clone().requires_grad_(), y.clone().requires_grad_()
+    x2, y2 = x.clone().requires_grad_(), y.clone().requires_grad_()
+    a, b = ssim(x1, y1), ssim_torch(x2, y2)
+    torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6)
+    a.backward()
+    b.backward()
+    scale = float(x2.grad.abs().max())
+    torch.testing.assert_close(x1.grad, x2.grad, rtol=0, atol=5e-5 * scale)
+    torch.testing.assert_close(y1.grad, y2.grad, rtol=0, atol=5e-5 * scale)
+    assert x1.grad.dtype == torch.float32 and x1.grad.device.type == "cpu"
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 13, 15), (1, 1, 6, 8), (2, 1, 11, 4)])
+def test_cpu_ssim_gradcheck_float64(shape):
+    x, y = _pair(shape, torch.float64, 4)
+    x.requires_grad_()
+    y.requires_grad_()
+    assert torch.autograd.gradcheck(SSIMCPU.apply, (x, y))
+    # one input at a time (the kernels skip the other's gradient)
+    assert torch.autograd.gradcheck(lambda t: SSIMCPU.apply(t, y.detach()), (x,))
+    assert torch.autograd.gradcheck(lambda t: SSIMCPU.apply(x.detach(), t), (y,))
+
+
+def test_cpu_ssim_against_reference_on_training_size():
+    x, y = _pair((1, 3, 61, 109), torch.float64, 5)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    a, b = ssim(x1, y), reference_ssim(x2, y)
+    torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    a.backward()
+    b.backward()
+    torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-9, atol=1e-14)
+
+
+@pytest.mark.parametrize("shape,sigma", [((1, 3, 37, 53), 2.4), ((1, 3, 37, 53), 0.7), ((2, 3, 20, 30), 9.0),
+                                         ((1, 3, 5, 7), 2.4), ((1, 1, 1, 6), 1.0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cpu_blur_matches_torch_path(shape, sigma, dtype):
+    x, _ = _pair(shape, dtype, 6)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    a, b = gaussian_blur(x1, sigma), gaussian_blur_torch(x2, sigma)
+    tol = 2e-6 if dtype == torch.float32 else 1e-13
+    torch.testing.assert_close(a, b, rtol=0, atol=tol)
+    w = torch.rand(a.shape, generator=torch.Generator().manual_seed(7), dtype=dtype)
+    (a * w).sum().backward()
+    (b * w).sum().backward()
+    torch.testing.assert_close(x1.grad, x2.grad, rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("shape,sigma,radius", [((1, 2, 9, 12), 1.3, 4), ((1, 1, 5, 7), 2.4, 4),
+                                                ((2, 1, 6, 6), 0.6, 2)])
+def test_cpu_blur_gradcheck_float64(shape, sigma, radius):
+    x, _ = _pair(shape, torch.float64, 8)
+    x.requires_grad_()
+    assert torch.autograd.gradcheck(lambda t: GaussianBlurCPU.apply(t, sigma, radius), (x,))
+
+
+def test_cpu_paths_make_no_tensor_on_the_default_device():
+    """Every tensor the CPU paths (and the torch paths run on CPU) create is made on the input's device: with the
+    default device set to ``meta`` anything created without ``device=`` would land there and fail."""
+    x, y = _pair((1, 3, 24, 31), torch.float32, 9)
+    want_s = float(ssim(x, y))
+    want_b = gaussian_blur(x, 1.5)
+    prev = torch.get_default_device()
+    torch.set_default_device("meta")
+    try:
+        for fs, fb in ((ssim, gaussian_blur), (ssim_torch, gaussian_blur_torch)):
+            xg = x.clone().requires_grad_()
+            b = fb(xg, 1.5)
+            s = fs(b, fb(y, 1.5))
+            s.backward()
+            assert s.device.type == "cpu" and b.device.type == "cpu" and xg.grad.device.type == "cpu"
+            assert float(fs(x, y)) == pytest.approx(want_s, abs=2e-6)
+            torch.testing.assert_close(b.detach(), want_b, rtol=0, atol=2e-6)
+    finally:
+        torch.set_default_device(prev)
+
+
+def test_non_cpu_tensors_take_the_torch_path(monkeypatch):
+    """Dispatch is on the tensor's device: ``meta`` tensors (shape-only, no GPU needed) must never reach the
+    numba kernels, which would fail on them, and come out on their own device."""
+    import splatflow.render.filters as filters
+
+    def boom(*a, **k):
+        raise AssertionError("the numba path was called for a non-CPU tensor")
+
+    monkeypatch.setattr(filters, "ssim_cpu", boom)
+    monkeypatch.setattr(filters, "gaussian_blur_cpu", boom)
+    x = torch.empty(1, 3, 20, 24, device="meta")
+    assert ssim(x, x).device.type == "meta"
+    assert gaussian_blur(x, 1.5).device.type == "meta"
+    assert gaussian_blur(x, 1.5).shape == x.shape
+
+
+@pytest.mark.cuda
+def test_cuda_torch_path_matches_cpu_path():
+    x, y = _pair((1, 3, 45, 61), torch.float32, 10)
+    xc = x.cuda().requires_grad_()
+    xh = x.clone().requires_grad_()
+    bc, bh = gaussian_blur(xc, 2.0), gaussian_blur(xh, 2.0)
+    sc, sh = ssim(bc, gaussian_blur(y.cuda(), 2.0)), ssim(bh, gaussian_blur(y, 2.0))
+    assert sc.device.type == "cuda"
+    torch.testing.assert_close(sc.cpu(), sh, rtol=2e-6, atol=2e-6)
+    sc.backward()
+    sh.backward()
+    torch.testing.assert_close(xc.grad.cpu(), xh.grad, rtol=0, atol=5e-5 * float(xh.grad.abs().max()))

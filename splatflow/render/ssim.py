@@ -10,6 +10,10 @@ Why a custom autograd Function: on CPU a naive SSIM (five 11x11 depthwise convol
 * the backward is analytic: with S = A1 A2 / (B1 B2) per pixel, the derivatives of mean(S) w.r.t. the three
   moment maps that involve x are formed point-wise, blurred once more (the zero-padded symmetric Gaussian filter
   is its own adjoint), and combined as ``dL/dx = G*dmu_x + 2 x G*dE[x^2] + y G*dE[xy]``.
+
+Two implementations of that one scheme: for CPU tensors the numba kernels of :mod:`.filters` (row-parallel
+1-D passes with the five moments fused, whose speed does not hang on torch's CPU convolution, which varies by
+build and processor), and for every other device the torch code below (grouped ``conv2d``).
 """
 
 from __future__ import annotations
@@ -89,6 +93,18 @@ def ssim(x: Tensor, y: Tensor) -> Tensor:
         raise ValueError(f"ssim needs two [B, C, H, W] tensors of one shape, got {tuple(x.shape)} and {tuple(y.shape)}")
     if y.dtype != x.dtype:
         y = y.to(x.dtype)
+    if x.device.type == "cpu" and y.device.type == "cpu":
+        from .filters import ssim_cpu
+
+        return ssim_cpu(x.contiguous(), y.contiguous())
+    return _SSIM.apply(x.contiguous(), y.contiguous())
+
+
+def ssim_torch(x: Tensor, y: Tensor) -> Tensor:
+    """:func:`ssim` on the torch implementation whatever the device (the path of non-CPU tensors; on CPU for
+    cross-checks and benchmarks)."""
+    if y.dtype != x.dtype:
+        y = y.to(x.dtype)
     return _SSIM.apply(x.contiguous(), y.contiguous())
 
 
@@ -105,4 +121,4 @@ def ssim_map_reference(x: Tensor, y: Tensor) -> Tensor:
     return ((2 * mx * my + C1) * (2 * cxy + C2)) / ((mx * mx + my * my + C1) * (vx + vy + C2))
 
 
-__all__ = ["ssim", "gaussian_window_1d", "ssim_map_reference", "WINDOW", "SIGMA", "C1", "C2"]
+__all__ = ["ssim", "ssim_torch", "gaussian_window_1d", "ssim_map_reference", "WINDOW", "SIGMA", "C1", "C2"]

@@ -121,7 +121,21 @@ class PlateauStopper:
 
 
 def gaussian_blur(img: torch.Tensor, sigma_px: float) -> torch.Tensor:
-    """Separable Gaussian blur of ``img [B, C, H, W]`` (reflect padding; identity for sigma < 0.05 px)."""
+    """Separable Gaussian blur of ``img [B, C, H, W]`` (reflect padding; identity for sigma < 0.05 px).
+
+    CPU tensors take the numba filter of :mod:`splatflow.render.filters` (same operator, exact backward); other
+    devices the torch convolutions below."""
+    if sigma_px < 0.05:
+        return img
+    if img.device.type == "cpu":
+        from splatflow.render.filters import gaussian_blur_cpu
+
+        return gaussian_blur_cpu(img, sigma_px)
+    return gaussian_blur_torch(img, sigma_px)
+
+
+def gaussian_blur_torch(img: torch.Tensor, sigma_px: float) -> torch.Tensor:
+    """:func:`gaussian_blur` with torch convolutions on ``img``'s device (any device)."""
     if sigma_px < 0.05:
         return img
     radius = max(1, int(math.ceil(3.0 * sigma_px)))

@@ -1,0 +1,184 @@
+"""CPU separable Gaussian filters as autograd Functions: SSIM (Wang et al. 2004, the 3DGS window) and the
+progressive training blur, both on the numba kernels of :mod:`._filter_kernels`.
+
+These are the CPU paths only; :mod:`.ssim` and :func:`splatflow.train.schedules.gaussian_blur` dispatch here for
+tensors on the CPU and keep their torch implementations for every other device.
+
+A 1-D filter along an axis is a banded matrix (see :mod:`._filter_kernels`), built here for the two paddings in
+use: zero "same" padding (SSIM, as the 3DGS reference's ``F.conv2d(padding=5)``) and reflect padding (the
+training blur, as ``F.pad(mode="reflect")``, so a blurred constant image stays constant up to the border). The
+backward of a filter is its transpose; the SSIM window with zero padding is symmetric, the reflect-padded blur
+is not (border pixels receive the gradient of the pixels mirrored onto them), so its backward uses the
+transposed bands.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+WINDOW = 11
+SIGMA = 1.5
+
+
+def gaussian_taps(radius: int, sigma: float) -> np.ndarray:
+    """Normalised Gaussian taps ``[2 radius + 1]`` in float64."""
+    x = np.arange(-radius, radius + 1, dtype=np.float64)
+    g = np.exp(-(x * x) / (2.0 * sigma * sigma))
+    return g / g.sum()
+
+
+def band_matrix(n: int, taps: np.ndarray, mode: str, transpose: bool = False):
+    """The 1-D filter with ``taps`` (odd length ``2r + 1``) along an axis of length ``n``, as the kernels' band:
+    ``(band [n, L], start [n] int64, lo, hi)`` with ``out[j] = sum_k band[j, k] in[start[j] + k]``, rows
+    ``[lo, hi)`` being the plain stencil. ``mode`` is ``"zero"`` or ``"reflect"`` (needs ``r <= n - 1``, as
+    ``F.pad``); ``transpose`` gives the adjoint (the backward pass)."""
+    L0 = len(taps)
+    r = (L0 - 1) // 2
+    if mode == "reflect" and r > n - 1:
+        raise ValueError(f"reflect padding needs a filter radius below the image side: radius {r}, side {n}")
+    L = min(L0, n)
+    j = np.arange(n)[:, None]  # [n, 1]
+    k = np.arange(L0)[None, :]  # [1, L0]
+    col = np.broadcast_to(j + k - r, (n, L0))  # [n, L0] source index of tap k for output j
+    row = np.broadcast_to(j, (n, L0))
+    w = np.broadcast_to(taps[None, :], (n, L0))
+    if mode == "zero":
+        valid = (col >= 0) & (col < n)
+    elif mode == "reflect":
+        col = np.where(col < 0, -col, col)
+        col = np.where(col > n - 1, 2 * (n - 1) - col, col)
+        valid = np.ones((n, L0), dtype=bool)
+    else:
+        raise ValueError(f"mode must be 'zero' or 'reflect', got {mode!r}")
+    if transpose:
+        row, col = col, row
+    row, col, w = row[valid], col[valid], w[valid]
+    start = np.clip(np.arange(n) - r, 0, n - L).astype(np.int64)
+    pos = col - start[row]
+    assert pos.min() >= 0 and pos.max() < L, "band too narrow for this filter"
+    band = np.zeros((n, L), dtype=np.float64)
+    np.add.at(band, (row, pos), w)
+    lo = hi = 0
+    if L == L0:
+        plain = (start == np.arange(n) - r) & (band == taps[None, :]).all(axis=1)
+        idx = np.flatnonzero(plain)
+        if len(idx):
+            lo, hi = int(idx[0]), int(idx[-1]) + 1
+            if not plain[lo:hi].all():
+                lo = hi = 0
+    return band, start, lo, hi
+
+
+@functools.lru_cache(maxsize=32)
+def _bands(n: int, radius: int, sigma: float, mode: str, transpose: bool, dtype: str):
+    band, start, lo, hi = band_matrix(n, gaussian_taps(radius, sigma), mode, transpose)
+    return band.astype(dtype), start, lo, hi
+
+
+def _planes(t: Tensor) -> np.ndarray:
+    """``[B, C, H, W]`` tensor -> contiguous ``[B * C, H, W]`` numpy view (a copy only if not contiguous)."""
+    B, C, H, W = t.shape
+    return t.detach().contiguous().reshape(B * C, H, W).numpy()
+
+
+def _dtype_name(t: Tensor) -> str:
+    if t.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"CPU filters take float32 or float64 images, got {t.dtype}")
+    return "float32" if t.dtype == torch.float32 else "float64"
+
+
+class SSIMCPU(torch.autograd.Function):
+    """Mean SSIM of ``[B, C, H, W]`` CPU tensors (11x11 Gaussian window, sigma 1.5, zero padding) with its exact
+    gradient: forward filters the five moments, evaluates the map and the four point-wise derivatives in one
+    pass; backward filters those derivatives once more (the symmetric window is its own adjoint)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, y: Tensor) -> Tensor:
+        from . import _filter_kernels as K
+
+        B, C, H, W = x.shape
+        dt = _dtype_name(x)
+        bw, sw, lw, hw = _bands(W, WINDOW // 2, SIGMA, "zero", False, dt)
+        bh, sh, _, _ = _bands(H, WINDOW // 2, SIGMA, "zero", False, dt)
+        need = bool(ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
+        xn, yn = _planes(x), _planes(y)
+        row_sums, dmaps = K.ssim_forward(xn, yn, bw, sw, lw, hw, bh, sh, need)
+        if need:
+            ctx.save_for_backward(x, y)  # (tensors, so autograd notices any in-place change before backward)
+            ctx.dmaps = dmaps
+        return torch.tensor(float(row_sums.sum()) / x.numel(), dtype=x.dtype, device=x.device)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor):
+        from . import _filter_kernels as K
+
+        x, y = ctx.saved_tensors
+        B, C, H, W = x.shape
+        xn, yn, dmaps = _planes(x), _planes(y), ctx.dmaps
+        dt = str(xn.dtype)
+        bw, sw, lw, hw = _bands(W, WINDOW // 2, SIGMA, "zero", False, dt)
+        bh, sh, _, _ = _bands(H, WINDOW // 2, SIGMA, "zero", False, dt)
+        want_x, want_y = bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1])
+        scale = float(grad) / (B * C * H * W)
+        gx, gy = K.ssim_backward(xn, yn, dmaps, scale, bw, sw, lw, hw, bh, sh, want_x, want_y)
+        return (torch.from_numpy(gx).view(B, C, H, W) if want_x else None,
+                torch.from_numpy(gy).view(B, C, H, W) if want_y else None)
+
+
+def blur_radius(sigma_px: float, width: int, height: int) -> int:
+    """Truncation radius of the training blur: 3 sigma, at least 1 px, below both image sides (reflect padding)."""
+    return min(max(1, int(math.ceil(3.0 * sigma_px))), width - 1, height - 1)
+
+
+class GaussianBlurCPU(torch.autograd.Function):
+    """Separable Gaussian blur with reflect padding of ``[B, C, H, W]`` CPU tensors; backward by the transposed
+    filter (exact, including the reflected borders)."""
+
+    @staticmethod
+    def forward(ctx, img: Tensor, sigma_px: float, radius: int) -> Tensor:
+        from . import _filter_kernels as K
+
+        B, C, H, W = img.shape
+        dt = _dtype_name(img)
+        bw, sw, lw, hw = _bands(W, radius, float(sigma_px), "reflect", False, dt)
+        bh, sh, _, _ = _bands(H, radius, float(sigma_px), "reflect", False, dt)
+        out = K.separable_filter(_planes(img), bw, sw, lw, hw, bh, sh)
+        ctx.params = (float(sigma_px), int(radius), dt, (B, C, H, W))
+        return torch.from_numpy(out).view(B, C, H, W)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor):
+        from . import _filter_kernels as K
+
+        sigma_px, radius, dt, (B, C, H, W) = ctx.params
+        bw, sw, lw, hw = _bands(W, radius, sigma_px, "reflect", True, dt)
+        bh, sh, _, _ = _bands(H, radius, sigma_px, "reflect", True, dt)
+        g = K.separable_filter(_planes(grad.to(getattr(torch, dt))), bw, sw, lw, hw, bh, sh)
+        return torch.from_numpy(g).view(B, C, H, W), None, None
+
+
+def gaussian_blur_cpu(img: Tensor, sigma_px: float) -> Tensor:
+    """The training blur (see :func:`splatflow.train.schedules.gaussian_blur`) on CPU tensors."""
+    if img.device.type != "cpu":
+        raise ValueError(f"gaussian_blur_cpu needs a CPU tensor, got one on {img.device}")
+    H, W = img.shape[-2:]
+    return GaussianBlurCPU.apply(img, float(sigma_px), blur_radius(sigma_px, W, H))
+
+
+def ssim_cpu(x: Tensor, y: Tensor) -> Tensor:
+    """Mean SSIM of ``[B, C, H, W]`` CPU tensors of one shape and dtype (see :func:`splatflow.render.ssim.ssim`)."""
+    if x.device.type != "cpu" or y.device.type != "cpu":
+        raise ValueError(f"ssim_cpu needs CPU tensors, got {x.device} and {y.device}")
+    return SSIMCPU.apply(x, y)
+
+
+__all__ = ["SSIMCPU", "GaussianBlurCPU", "ssim_cpu", "gaussian_blur_cpu", "band_matrix", "gaussian_taps",
+           "blur_radius"]
