@@ -120,10 +120,10 @@ def test_cpu_ssim_gradcheck_float64(shape):
     x, y = _pair(shape, torch.float64, 4)
     x.requires_grad_()
     y.requires_grad_()
-    assert torch.autograd.gradcheck(SSIMCPU.apply, (x, y))
+    assert torch.autograd.gradcheck(lambda a, b: SSIMCPU.apply(a, b, True), (x, y))
     # one input at a time (the kernels skip the other's gradient)
-    assert torch.autograd.gradcheck(lambda t: SSIMCPU.apply(t, y.detach()), (x,))
-    assert torch.autograd.gradcheck(lambda t: SSIMCPU.apply(x.detach(), t), (y,))
+    assert torch.autograd.gradcheck(lambda t: SSIMCPU.apply(t, y.detach(), True), (x,))
+    assert torch.autograd.gradcheck(lambda t: SSIMCPU.apply(x.detach(), t, True), (y,))
 
 
 def test_cpu_ssim_against_reference_on_training_size():

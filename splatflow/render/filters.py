@@ -24,6 +24,7 @@ from torch.autograd.function import once_differentiable
 
 WINDOW = 11
 SIGMA = 1.5
+SSIM_CHUNK_ROWS = 48  # rows per parallel work item of the fused SSIM kernel (cache-sized buffers; see there)
 
 
 def gaussian_taps(radius: int, sigma: float) -> np.ndarray:
@@ -95,41 +96,37 @@ def _dtype_name(t: Tensor) -> str:
 
 class SSIMCPU(torch.autograd.Function):
     """Mean SSIM of ``[B, C, H, W]`` CPU tensors (11x11 Gaussian window, sigma 1.5, zero padding) with its exact
-    gradient: forward filters the five moments, evaluates the map and the four point-wise derivatives in one
-    pass; backward filters those derivatives once more (the symmetric window is its own adjoint)."""
+    gradient. ``apply(x, y, with_grad)``: with ``with_grad`` (grad mode on and an input that requires grad) the
+    one fused kernel pass that computes the value also computes the gradient of the sum of the SSIM map (its
+    intermediates never leave the cache, see :func:`._filter_kernels.ssim_fused`); backward only scales it."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, y: Tensor) -> Tensor:
+    def forward(ctx, x: Tensor, y: Tensor, with_grad: bool = True) -> Tensor:
         from . import _filter_kernels as K
 
         B, C, H, W = x.shape
         dt = _dtype_name(x)
         bw, sw, lw, hw = _bands(W, WINDOW // 2, SIGMA, "zero", False, dt)
         bh, sh, _, _ = _bands(H, WINDOW // 2, SIGMA, "zero", False, dt)
-        need = bool(ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
-        xn, yn = _planes(x), _planes(y)
-        row_sums, dmaps = K.ssim_forward(xn, yn, bw, sw, lw, hw, bh, sh, need)
-        if need:
-            ctx.save_for_backward(x, y)  # (tensors, so autograd notices any in-place change before backward)
-            ctx.dmaps = dmaps
+        want_x = bool(with_grad and ctx.needs_input_grad[0])
+        want_y = bool(with_grad and ctx.needs_input_grad[1])
+        row_sums, gx, gy = K.ssim_fused(_planes(x), _planes(y), bw, sw, lw, hw, bh, sh, want_x, want_y,
+                                        SSIM_CHUNK_ROWS)
+        ctx.grads = (torch.from_numpy(gx).view(B, C, H, W) if want_x else None,
+                     torch.from_numpy(gy).view(B, C, H, W) if want_y else None)
+        ctx.numel = x.numel()
         return torch.tensor(float(row_sums.sum()) / x.numel(), dtype=x.dtype, device=x.device)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: Tensor):
-        from . import _filter_kernels as K
-
-        x, y = ctx.saved_tensors
-        B, C, H, W = x.shape
-        xn, yn, dmaps = _planes(x), _planes(y), ctx.dmaps
-        dt = str(xn.dtype)
-        bw, sw, lw, hw = _bands(W, WINDOW // 2, SIGMA, "zero", False, dt)
-        bh, sh, _, _ = _bands(H, WINDOW // 2, SIGMA, "zero", False, dt)
-        want_x, want_y = bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1])
-        scale = float(grad) / (B * C * H * W)
-        gx, gy = K.ssim_backward(xn, yn, dmaps, scale, bw, sw, lw, hw, bh, sh, want_x, want_y)
-        return (torch.from_numpy(gx).view(B, C, H, W) if want_x else None,
-                torch.from_numpy(gy).view(B, C, H, W) if want_y else None)
+        scale = grad / ctx.numel
+        gx, gy = ctx.grads
+        if (gx is None and ctx.needs_input_grad[0]) or (gy is None and ctx.needs_input_grad[1]):
+            raise RuntimeError("SSIMCPU.apply(x, y, with_grad=False) was differentiated; call it with "
+                               "with_grad=True (splatflow.render.ssim.ssim does so whenever grad mode is on)")
+        return (gx * scale if ctx.needs_input_grad[0] else None,
+                gy * scale if ctx.needs_input_grad[1] else None, None)
 
 
 def blur_radius(sigma_px: float, width: int, height: int) -> int:
@@ -177,7 +174,8 @@ def ssim_cpu(x: Tensor, y: Tensor) -> Tensor:
     """Mean SSIM of ``[B, C, H, W]`` CPU tensors of one shape and dtype (see :func:`splatflow.render.ssim.ssim`)."""
     if x.device.type != "cpu" or y.device.type != "cpu":
         raise ValueError(f"ssim_cpu needs CPU tensors, got {x.device} and {y.device}")
-    return SSIMCPU.apply(x, y)
+    with_grad = torch.is_grad_enabled() and (x.requires_grad or y.requires_grad)
+    return SSIMCPU.apply(x, y, with_grad)
 
 
 __all__ = ["SSIMCPU", "GaussianBlurCPU", "ssim_cpu", "gaussian_blur_cpu", "band_matrix", "gaussian_taps",
