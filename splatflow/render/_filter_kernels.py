@@ -233,19 +233,27 @@ def ssim_fused(x, y, bw, sw, lw, hw, bh, sh, want_x, want_y, chunk):
 
 
 @nb.njit(parallel=True, cache=True, fastmath=True)
-def separable_filter(src, bw, sw, lw, hw, bh, sh):
+def separable_filter(src, bw, sw, lw, hw, bh, sh, chunk):
     """``out[p] = Mh @ src[p] @ Mw^T`` for every plane of ``src [P, H, W]``: the columns filter ``(bw, sw)``
     along each row, then the rows filter ``(bh, sh)`` down each column. With the transposed bands this is the
-    backward of the same filter (the two axes commute)."""
+    backward of the same filter (the two axes commute).
+
+    One parallel loop over chunks of ``chunk`` rows of a plane; each chunk filters the rows it reads (its own
+    plus the filter's reach) into a local buffer and reduces them down the columns from there, so no
+    intermediate image goes through memory and the threads meet once per call (on a shared machine every
+    parallel loop waits for its slowest thread)."""
     P, H, W = src.shape
-    tmp = np.empty((P, H, W), dtype=src.dtype)
-    for t in nb.prange(P * H):
-        p = t // H
-        i = t - p * H
-        _row_filter(src[p, i], tmp[p, i], bw, sw, lw, hw)
+    L = bh.shape[1]
+    nc = (H + chunk - 1) // chunk
     out = np.empty((P, H, W), dtype=src.dtype)
-    for t in nb.prange(P * H):
-        p = t // H
-        i = t - p * H
-        _col_filter(tmp[p], 0, out[p, i], bh, sh, i)
+    for t in nb.prange(P * nc):
+        p = t // nc
+        r0 = (t - p * nc) * chunk
+        r1 = min(H, r0 + chunk)
+        m0, m1 = sh[r0], sh[r1 - 1] + L
+        buf = np.empty((m1 - m0, W), dtype=src.dtype)
+        for m in range(m0, m1):
+            _row_filter(src[p, m], buf[m - m0], bw, sw, lw, hw)
+        for i in range(r0, r1):
+            _col_filter(buf, m0, out[p, i], bh, sh, i)
     return out

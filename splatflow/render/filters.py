@@ -25,6 +25,7 @@ from torch.autograd.function import once_differentiable
 WINDOW = 11
 SIGMA = 1.5
 SSIM_CHUNK_ROWS = 48  # rows per parallel work item of the fused SSIM kernel (cache-sized buffers; see there)
+BLUR_CHUNK_ROWS = 48  # the same for the training blur
 
 
 def gaussian_taps(radius: int, sigma: float) -> np.ndarray:
@@ -146,7 +147,7 @@ class GaussianBlurCPU(torch.autograd.Function):
         dt = _dtype_name(img)
         bw, sw, lw, hw = _bands(W, radius, float(sigma_px), "reflect", False, dt)
         bh, sh, _, _ = _bands(H, radius, float(sigma_px), "reflect", False, dt)
-        out = K.separable_filter(_planes(img), bw, sw, lw, hw, bh, sh)
+        out = K.separable_filter(_planes(img), bw, sw, lw, hw, bh, sh, BLUR_CHUNK_ROWS)
         ctx.params = (float(sigma_px), int(radius), dt, (B, C, H, W))
         return torch.from_numpy(out).view(B, C, H, W)
 
@@ -158,7 +159,7 @@ class GaussianBlurCPU(torch.autograd.Function):
         sigma_px, radius, dt, (B, C, H, W) = ctx.params
         bw, sw, lw, hw = _bands(W, radius, sigma_px, "reflect", True, dt)
         bh, sh, _, _ = _bands(H, radius, sigma_px, "reflect", True, dt)
-        g = K.separable_filter(_planes(grad.to(getattr(torch, dt))), bw, sw, lw, hw, bh, sh)
+        g = K.separable_filter(_planes(grad.to(getattr(torch, dt))), bw, sw, lw, hw, bh, sh, BLUR_CHUNK_ROWS)
         return torch.from_numpy(g).view(B, C, H, W), None, None
 
 
