@@ -11,9 +11,10 @@ Why a custom autograd Function: on CPU a naive SSIM (five 11x11 depthwise convol
   moment maps that involve x are formed point-wise, blurred once more (the zero-padded symmetric Gaussian filter
   is its own adjoint), and combined as ``dL/dx = G*dmu_x + 2 x G*dE[x^2] + y G*dE[xy]``.
 
-Two implementations of that one scheme: for CPU tensors the numba kernels of :mod:`.filters` (row-parallel
-1-D passes with the five moments fused, whose speed does not hang on torch's CPU convolution, which varies by
-build and processor), and for every other device the torch code below (grouped ``conv2d``).
+Two implementations of that one scheme: for CPU tensors the numba kernels of :mod:`.filters` (value and gradient
+in one parallel pass over row chunks, the five moments fused, intermediates kept in cache; their speed does not
+hang on torch's CPU convolution, which varies widely with the build and the processor), and for every other
+device the torch code below (grouped ``conv2d``).
 """
 
 from __future__ import annotations
