@@ -141,8 +141,9 @@ def ssim_fused(x, y, bw, sw, lw, hw, bh, sh, want_x, want_y, chunk):
     """
     P, H, W = x.shape
     L = bh.shape[1]
-    consts = np.array([0.01 ** 2, 0.03 ** 2, 1.0, 2.0], dtype=x.dtype)  # typed: float32 stays float32
-    c1, c2, one, two = consts[0], consts[1], consts[2], consts[3]
+    C1 = 0.01 ** 2
+    C2 = 0.03 ** 2
+    two = np.array([2.0], dtype=x.dtype)[0]  # typed: the gradient rows stay in the storage type
     need = want_x or want_y
     nc = (H + chunk - 1) // chunk
     row_sums = np.zeros(P * H, dtype=np.float64)
@@ -179,27 +180,28 @@ def ssim_fused(x, y, bw, sw, lw, hw, bh, sh, want_x, want_y, chunk):
                 _col_filter(hm[c], m0, mom[c], bh, sh, d)
             total = 0.0
             for j in range(W):
-                # in the storage type, as the torch path; two divisions
-                mx = mom[0, j]
-                my = mom[1, j]
+                # in float64: the variances are small differences of large moments, and in float32 (with FMA
+                # contraction) SSIM(x, x) came out 1 + 3e-6
+                mx = np.float64(mom[0, j])
+                my = np.float64(mom[1, j])
                 mxy = mx * my
-                a1 = mxy + mxy + c1
-                a2 = (mom[4, j] - mxy) * two + c2
-                b1 = mx * mx + my * my + c1
-                b2 = (mom[2, j] - mx * mx) + (mom[3, j] - my * my) + c2
-                inv_b1 = one / b1
-                inv_b2 = one / b2
+                a1 = 2.0 * mxy + C1
+                a2 = 2.0 * (np.float64(mom[4, j]) - mxy) + C2
+                b1 = mx * mx + my * my + C1
+                b2 = (np.float64(mom[2, j]) - mx * mx) + (np.float64(mom[3, j]) - my * my) + C2
+                inv_b1 = 1.0 / b1
+                inv_b2 = 1.0 / b2
                 inv_d = inv_b1 * inv_b2
                 sv = a1 * a2 * inv_d
                 total += sv
                 if need:
                     s_b2 = sv * inv_b2
                     diff = s_b2 - sv * inv_b1
-                    qq = (a2 - a1) * inv_d * two
-                    dm[0, j] = qq * my + two * mx * diff
-                    dm[1, j] = qq * mx + two * my * diff
+                    qq = 2.0 * (a2 - a1) * inv_d
+                    dm[0, j] = qq * my + 2.0 * mx * diff
+                    dm[1, j] = qq * mx + 2.0 * my * diff
                     dm[2, j] = -s_b2
-                    dm[3, j] = two * a1 * inv_d
+                    dm[3, j] = 2.0 * a1 * inv_d
             if r0 <= d < r1:
                 row_sums[p * H + d] = total
             if need:
