@@ -173,7 +173,8 @@ def main(argv=None):
     psnrs = test_psnr(res.splats, res.sh_degree, scene.test_views)
     out = {"psnr_test": round(float(np.mean(psnrs)), 3), "train_seconds": round(res.train_seconds, 1),
            "steps": res.steps, "gaussians": int(res.splats["means"].shape[0]),
-           "cpu_seconds": round(cpu_s, 1), "cpu_seconds_per_thread": round(cpu_s / args.threads, 1)}
+           "cpu_seconds": round(cpu_s, 1), "cpu_seconds_per_thread": round(cpu_s / args.threads, 1),
+           "resumed_from": res.resumed_from}
     print(f"test PSNR {out['psnr_test']:.2f} dB (per view: {', '.join(f'{p:.2f}' for p in psnrs)})")
     print(f"training {out['train_seconds']:.0f} s (wall incl. validation {wall:.0f} s), {res.steps} steps "
           f"({res.stopped}), {out['gaussians']} Gaussians, val PSNR {res.val_psnr}")
