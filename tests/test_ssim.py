@@ -120,7 +120,7 @@ def test_cpu_ssim_gradcheck_float64(shape):
     x, y = _pair(shape, torch.float64, 4)
     x.requires_grad_()
     y.requires_grad_()
-    assert torch.autograd.gradcheck(lambda a, b: SSIMCPU.apply(a, b, True), (x, y))
+    assert torch.autograd.gradcheck(lambda a, b: SSIMCPU.apply(a, b, True), (x, y))  # both outputs: SSIM and L1
     # one input at a time (the kernels skip the other's gradient)
     assert torch.autograd.gradcheck(lambda t: SSIMCPU.apply(t, y.detach(), True), (x,))
     assert torch.autograd.gradcheck(lambda t: SSIMCPU.apply(x.detach(), t, True), (y,))
@@ -208,3 +208,31 @@ def test_cuda_torch_path_matches_cpu_path():
     sc.backward()
     sh.backward()
     torch.testing.assert_close(xc.grad.cpu(), xh.grad, rtol=0, atol=5e-5 * float(xh.grad.abs().max()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_l1_ssim_matches_torch_ops(dtype):
+    """The training loss's two terms from one CPU kernel pass equal the plain torch expressions, with gradients
+    through any combination of the two."""
+    from splatflow.render.ssim import l1_ssim
+
+    x, y = _pair((1, 3, 29, 41), dtype, 11)
+    x1, y1 = x.clone().requires_grad_(), y.clone().requires_grad_()
+    x2, y2 = x.clone().requires_grad_(), y.clone().requires_grad_()
+    l1a, sa = l1_ssim(x1, y1)
+    l1b, sb = (x2 - y2).abs().mean(), ssim_torch(x2, y2)
+    tol = 2e-6 if dtype == torch.float32 else 1e-12
+    torch.testing.assert_close(l1a, l1b, rtol=tol, atol=tol)
+    torch.testing.assert_close(sa, sb, rtol=tol, atol=tol)
+    (0.8 * l1a + 0.2 * (1 - sa)).backward()
+    (0.8 * l1b + 0.2 * (1 - sb)).backward()
+    scale = float(x2.grad.abs().max())
+    torch.testing.assert_close(x1.grad, x2.grad, rtol=0, atol=5e-5 * scale if dtype == torch.float32 else 1e-12)
+    torch.testing.assert_close(y1.grad, y2.grad, rtol=0, atol=5e-5 * scale if dtype == torch.float32 else 1e-12)
+    # only the L1 term
+    x3 = x.clone().requires_grad_()
+    l1_ssim(x3, y)[0].backward()
+    torch.testing.assert_close(x3.grad, torch.sign(x - y) / x.numel())
+    # off the CPU: torch ops on the tensors' device
+    m = torch.empty(1, 3, 20, 24, device="meta")
+    assert all(t.device.type == "meta" for t in l1_ssim(m, m))

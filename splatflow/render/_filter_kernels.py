@@ -127,7 +127,9 @@ def ssim_fused(x, y, bw, sw, lw, hw, bh, sh, want_x, want_y, chunk):
     """SSIM of two ``[P, H, W]`` stacks, and the gradients of the SUM of its map w.r.t. ``x`` / ``y`` (those
     wanted), with the separable window ``(bh, sh)`` (rows) x ``(bw, sw)`` (columns).
 
-    Returns ``(row_sums [P * H] float64, gx, gy)`` (``gx``/``gy`` empty when not wanted). With ``S`` the map,
+    Returns ``(row_sums [P * H] float64, l1_rows [P * H] float64, gx, gy)``: per-row sums of the SSIM map and of
+``|x - y|`` (the L1 term of the training loss, for free while the rows are in cache), and the gradients
+(empty when not wanted). With ``S`` the map,
     the moments are ``G x``, ``G y``, ``G x^2``, ``G y^2``, ``G (x y)`` (``G`` the window filter), and
     ``d sum(S) / dx = G^T dmu_x + 2 x G^T dE[x^2] + y G^T dE[xy]`` (symmetrically for y; ``dS/dE[x^2] =
     dS/dE[y^2]``); the zero-padded symmetric window is its own transpose, so the same bands filter the
@@ -147,6 +149,7 @@ def ssim_fused(x, y, bw, sw, lw, hw, bh, sh, want_x, want_y, chunk):
     need = want_x or want_y
     nc = (H + chunk - 1) // chunk
     row_sums = np.zeros(P * H, dtype=np.float64)
+    l1_rows = np.zeros(P * H, dtype=np.float64)
     gx = np.empty((P, H, W) if want_x else (0, 0, 0), dtype=x.dtype)
     gy = np.empty((P, H, W) if want_y else (0, 0, 0), dtype=x.dtype)
     for t in nb.prange(P * nc):
@@ -162,6 +165,11 @@ def ssim_fused(x, y, bw, sw, lw, hw, bh, sh, want_x, want_y, chunk):
         for m in range(m0, m1):
             xr = x[p, m]
             yr = y[p, m]
+            if r0 <= m < r1:
+                a = 0.0
+                for j in range(W):
+                    a += abs(xr[j] - yr[j])
+                l1_rows[p * H + m] = a
             for j in range(W):
                 prod[0, j] = xr[j] * xr[j]
                 prod[1, j] = yr[j] * yr[j]
@@ -231,7 +239,24 @@ def ssim_fused(x, y, bw, sw, lw, hw, bh, sh, want_x, want_y, chunk):
                     o = gy[p, i]
                     for j in range(W):
                         o[j] = acc[1, j] + two * yr[j] * acc[2, j] + xr[j] * acc[3, j]
-    return row_sums, gx, gy
+    return row_sums, l1_rows, gx, gy
+
+
+@nb.njit(parallel=True, cache=True, fastmath=True)
+def add_sign_grad(g, x, y, a, b):
+    """``a * g + b * sign(x - y)`` (flat arrays; ``g`` empty means 0): the SSIM gradient scaled by its
+    incoming gradient plus the L1 term's, in one pass."""
+    n = x.shape[0]
+    out = np.empty(n, dtype=x.dtype)
+    has_g = g.shape[0] == n
+    for i in nb.prange(n):
+        d = x[i] - y[i]
+        sg = 1.0 if d > 0 else (-1.0 if d < 0 else 0.0)
+        v = b * sg
+        if has_g:
+            v += a * g[i]
+        out[i] = v
+    return out
 
 
 @nb.njit(parallel=True, cache=True, fastmath=True)

@@ -96,13 +96,14 @@ def _dtype_name(t: Tensor) -> str:
 
 
 class SSIMCPU(torch.autograd.Function):
-    """Mean SSIM of ``[B, C, H, W]`` CPU tensors (11x11 Gaussian window, sigma 1.5, zero padding) with its exact
-    gradient. ``apply(x, y, with_grad)``: with ``with_grad`` (grad mode on and an input that requires grad) the
-    one fused kernel pass that computes the value also computes the gradient of the sum of the SSIM map (its
-    intermediates never leave the cache, see :func:`._filter_kernels.ssim_fused`); backward only scales it."""
+    """Mean SSIM and mean absolute difference (L1) of ``[B, C, H, W]`` CPU tensors (SSIM: 11x11 Gaussian window,
+    sigma 1.5, zero padding), with exact gradients. ``apply(x, y, with_grad) -> (ssim, l1)``: with
+    ``with_grad`` (grad mode on and an input that requires grad) the one fused kernel pass that computes the values
+    also computes the gradient of the sum of the SSIM map (its intermediates never leave the cache, see
+    :func:`._filter_kernels.ssim_fused`); backward scales it and adds the L1 term's ``sign(x - y)`` in one pass."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, y: Tensor, with_grad: bool = True) -> Tensor:
+    def forward(ctx, x: Tensor, y: Tensor, with_grad: bool = True):
         from . import _filter_kernels as K
 
         B, C, H, W = x.shape
@@ -111,23 +112,32 @@ class SSIMCPU(torch.autograd.Function):
         bh, sh, _, _ = _bands(H, WINDOW // 2, SIGMA, "zero", False, dt)
         want_x = bool(with_grad and ctx.needs_input_grad[0])
         want_y = bool(with_grad and ctx.needs_input_grad[1])
-        row_sums, gx, gy = K.ssim_fused(_planes(x), _planes(y), bw, sw, lw, hw, bh, sh, want_x, want_y,
-                                        SSIM_CHUNK_ROWS)
-        ctx.grads = (torch.from_numpy(gx).view(B, C, H, W) if want_x else None,
-                     torch.from_numpy(gy).view(B, C, H, W) if want_y else None)
-        ctx.numel = x.numel()
-        return torch.tensor(float(row_sums.sum()) / x.numel(), dtype=x.dtype, device=x.device)
+        xn, yn = _planes(x), _planes(y)
+        row_sums, l1_rows, gx, gy = K.ssim_fused(xn, yn, bw, sw, lw, hw, bh, sh, want_x, want_y, SSIM_CHUNK_ROWS)
+        ctx.arrays = (xn.reshape(-1), yn.reshape(-1), gx.reshape(-1), gy.reshape(-1))
+        ctx.with_grad = bool(with_grad)
+        ctx.shape = (B, C, H, W)
+        n = x.numel()
+        return (torch.tensor(float(row_sums.sum()) / n, dtype=x.dtype, device=x.device),
+                torch.tensor(float(l1_rows.sum()) / n, dtype=x.dtype, device=x.device))
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad: Tensor):
-        scale = grad / ctx.numel
-        gx, gy = ctx.grads
-        if (gx is None and ctx.needs_input_grad[0]) or (gy is None and ctx.needs_input_grad[1]):
+    def backward(ctx, g_ssim: Tensor, g_l1: Tensor):
+        from . import _filter_kernels as K
+
+        if not ctx.with_grad:
             raise RuntimeError("SSIMCPU.apply(x, y, with_grad=False) was differentiated; call it with "
                                "with_grad=True (splatflow.render.ssim.ssim does so whenever grad mode is on)")
-        return (gx * scale if ctx.needs_input_grad[0] else None,
-                gy * scale if ctx.needs_input_grad[1] else None, None)
+        xf, yf, gx, gy = ctx.arrays
+        n = xf.shape[0]
+        a, b = float(g_ssim) / n, float(g_l1) / n
+        out = []
+        for i, (u, v, g) in enumerate(((xf, yf, gx), (yf, xf, gy))):
+            # d|x - y|/dy = -sign(x - y) = sign(y - x): the same kernel with the arguments swapped
+            out.append(torch.from_numpy(K.add_sign_grad(g, u, v, a, b)).view(ctx.shape)
+                       if ctx.needs_input_grad[i] else None)
+        return out[0], out[1], None
 
 
 def blur_radius(sigma_px: float, width: int, height: int) -> int:
@@ -171,13 +181,19 @@ def gaussian_blur_cpu(img: Tensor, sigma_px: float) -> Tensor:
     return GaussianBlurCPU.apply(img, float(sigma_px), blur_radius(sigma_px, W, H))
 
 
-def ssim_cpu(x: Tensor, y: Tensor) -> Tensor:
-    """Mean SSIM of ``[B, C, H, W]`` CPU tensors of one shape and dtype (see :func:`splatflow.render.ssim.ssim`)."""
+def ssim_l1_cpu(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+    """``(mean SSIM, mean |x - y|)`` of ``[B, C, H, W]`` CPU tensors of one shape and dtype (see
+    :func:`splatflow.render.ssim.ssim`)."""
     if x.device.type != "cpu" or y.device.type != "cpu":
-        raise ValueError(f"ssim_cpu needs CPU tensors, got {x.device} and {y.device}")
+        raise ValueError(f"ssim_l1_cpu needs CPU tensors, got {x.device} and {y.device}")
     with_grad = torch.is_grad_enabled() and (x.requires_grad or y.requires_grad)
     return SSIMCPU.apply(x, y, with_grad)
 
 
-__all__ = ["SSIMCPU", "GaussianBlurCPU", "ssim_cpu", "gaussian_blur_cpu", "band_matrix", "gaussian_taps",
+def ssim_cpu(x: Tensor, y: Tensor) -> Tensor:
+    """Mean SSIM of ``[B, C, H, W]`` CPU tensors of one shape and dtype (see :func:`splatflow.render.ssim.ssim`)."""
+    return ssim_l1_cpu(x, y)[0]
+
+
+__all__ = ["SSIMCPU", "GaussianBlurCPU", "ssim_cpu", "ssim_l1_cpu", "gaussian_blur_cpu", "band_matrix", "gaussian_taps",
            "blur_radius"]

@@ -101,6 +101,22 @@ def ssim(x: Tensor, y: Tensor) -> Tensor:
     return _SSIM.apply(x.contiguous(), y.contiguous())
 
 
+def l1_ssim(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+    """``(mean |x - y|, mean SSIM)`` of two ``[B, C, H, W]`` batches, both differentiable: the two terms of the
+    training loss. On CPU tensors one kernel pass computes both (and their gradients); elsewhere torch ops."""
+    if x.shape != y.shape or x.dim() != 4:
+        raise ValueError(f"l1_ssim needs two [B, C, H, W] tensors of one shape, got {tuple(x.shape)} and "
+                         f"{tuple(y.shape)}")
+    if y.dtype != x.dtype:
+        y = y.to(x.dtype)
+    if x.device.type == "cpu" and y.device.type == "cpu":
+        from .filters import ssim_l1_cpu
+
+        s, l1 = ssim_l1_cpu(x.contiguous(), y.contiguous())
+        return l1, s
+    return (x - y).abs().mean(), _SSIM.apply(x.contiguous(), y.contiguous())
+
+
 def ssim_torch(x: Tensor, y: Tensor) -> Tensor:
     """:func:`ssim` on the torch implementation whatever the device (the path of non-CPU tensors; on CPU for
     cross-checks and benchmarks)."""
@@ -122,4 +138,4 @@ def ssim_map_reference(x: Tensor, y: Tensor) -> Tensor:
     return ((2 * mx * my + C1) * (2 * cxy + C2)) / ((mx * mx + my * my + C1) * (vx + vy + C2))
 
 
-__all__ = ["ssim", "ssim_torch", "gaussian_window_1d", "ssim_map_reference", "WINDOW", "SIGMA", "C1", "C2"]
+__all__ = ["ssim", "l1_ssim", "ssim_torch", "gaussian_window_1d", "ssim_map_reference", "WINDOW", "SIGMA", "C1", "C2"]
