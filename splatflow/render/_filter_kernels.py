@@ -12,8 +12,9 @@ the same ``start``. Rows ``lo <= j < hi`` are the plain stencil (``start[j] = j 
 ``band[lo]``); they take the vectorised path, the few rows near the borders the general one.
 
 Images are ``[P, H, W]`` planes (batch x channels flattened), float32 or float64 (one compiled specialisation
-each). Both passes run in parallel over the ``P * H`` rows; every row writes only its own output row, so the
-loops are race free.
+each). Each kernel is one parallel loop over chunks of rows of one plane; a chunk reads its rows plus the filter's
+reach, keeps the intermediate rows in its own local buffers and writes only its own output rows, so the loops are
+race free.
 """
 
 from __future__ import annotations
