@@ -59,7 +59,7 @@ import pytest  # noqa: E402
 
 from splatflow.render.filters import GaussianBlurCPU, SSIMCPU, band_matrix, gaussian_taps  # noqa: E402
 from splatflow.render.ssim import ssim_torch  # noqa: E402
-from splatflow.train.schedules import gaussian_blur, gaussian_blur_torch  # noqa: E402
+from splatflow.train.schedules import gaussian_blur, gaussian_blur_pair, gaussian_blur_torch  # noqa: E402
 
 
 def _pair(shape, dtype, seed):
@@ -156,7 +156,10 @@ def test_cpu_blur_matches_torch_path(shape, sigma, dtype):
 def test_cpu_blur_gradcheck_float64(shape, sigma, radius):
     x, _ = _pair(shape, torch.float64, 8)
     x.requires_grad_()
-    assert torch.autograd.gradcheck(lambda t: GaussianBlurCPU.apply(t, sigma, radius), (x,))
+    assert torch.autograd.gradcheck(lambda t: GaussianBlurCPU.apply(t, None, sigma, radius), (x,))
+    # two images in one call, gradients to both
+    x2 = torch.rand(x.shape, generator=torch.Generator().manual_seed(12), dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: GaussianBlurCPU.apply(a, b, sigma, radius), (x, x2))
 
 
 def test_cpu_paths_make_no_tensor_on_the_default_device():
@@ -236,3 +239,20 @@ def test_l1_ssim_matches_torch_ops(dtype):
     # off the CPU: torch ops on the tensors' device
     m = torch.empty(1, 3, 20, 24, device="meta")
     assert all(t.device.type == "meta" for t in l1_ssim(m, m))
+
+
+def test_blur_pair_equals_two_blurs():
+    """Render and target blurred in one kernel call equal two separate calls; only the render gets a gradient."""
+    x, y = _pair((1, 3, 31, 45), torch.float32, 13)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    a, b = gaussian_blur_pair(x1, y, 2.4)
+    assert not b.requires_grad
+    torch.testing.assert_close(a, gaussian_blur(x2, 2.4), rtol=0, atol=0)
+    torch.testing.assert_close(b, gaussian_blur(y, 2.4), rtol=0, atol=0)
+    w = torch.rand(a.shape, generator=torch.Generator().manual_seed(14))
+    (a * w).sum().backward()
+    (gaussian_blur(x2, 2.4) * w).sum().backward()
+    torch.testing.assert_close(x1.grad, x2.grad, rtol=0, atol=0)
+    assert gaussian_blur_pair(x, y, 0.0) == (x, y)
+    m = torch.empty(1, 3, 20, 24, device="meta")
+    assert all(t.device.type == "meta" for t in gaussian_blur_pair(m, m, 1.5))

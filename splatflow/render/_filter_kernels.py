@@ -261,27 +261,36 @@ def add_sign_grad(g, x, y, a, b):
 
 
 @nb.njit(parallel=True, cache=True, fastmath=True)
-def separable_filter(src, bw, sw, lw, hw, bh, sh, chunk):
-    """``out[p] = Mh @ src[p] @ Mw^T`` for every plane of ``src [P, H, W]``: the columns filter ``(bw, sw)``
-    along each row, then the rows filter ``(bh, sh)`` down each column. With the transposed bands this is the
-    backward of the same filter (the two axes commute).
+def separable_filter(src, src2, bw, sw, lw, hw, bh, sh, chunk):
+    """``out[p] = Mh @ src[p] @ Mw^T`` for every plane of ``src [P, H, W]`` and of ``src2 [P2, H, W]`` (may
+    have no planes): the columns filter ``(bw, sw)`` along each row, then the rows filter ``(bh, sh)`` down each
+    column. With the transposed bands this is the backward of the same filter (the two axes commute). Returns
+    ``(out, out2)``.
 
-    One parallel loop over chunks of ``chunk`` rows of a plane; each chunk filters the rows it reads (its own
-    plus the filter's reach) into a local buffer and reduces them down the columns from there, so no
-    intermediate image goes through memory and the threads meet once per call (on a shared machine every
-    parallel loop waits for its slowest thread)."""
+    One parallel loop over chunks of ``chunk`` rows of a plane of either stack (render and target go through one
+    loop); each chunk filters the rows it reads (its own plus the filter's reach) into a local buffer and reduces
+    them down the columns from there, so no intermediate image goes through memory and the threads meet once
+    per call (on a shared machine every parallel loop waits for its slowest thread)."""
     P, H, W = src.shape
+    P2 = src2.shape[0]
     L = bh.shape[1]
     nc = (H + chunk - 1) // chunk
     out = np.empty((P, H, W), dtype=src.dtype)
-    for t in nb.prange(P * nc):
-        p = t // nc
-        r0 = (t - p * nc) * chunk
+    out2 = np.empty((P2, H, W), dtype=src.dtype)
+    for t in nb.prange((P + P2) * nc):
+        q = t // nc
+        r0 = (t - q * nc) * chunk
         r1 = min(H, r0 + chunk)
+        if q < P:
+            img = src[q]
+            dst = out[q]
+        else:
+            img = src2[q - P]
+            dst = out2[q - P]
         m0, m1 = sh[r0], sh[r1 - 1] + L
         buf = np.empty((m1 - m0, W), dtype=src.dtype)
         for m in range(m0, m1):
-            _row_filter(src[p, m], buf[m - m0], bw, sw, lw, hw)
+            _row_filter(img[m], buf[m - m0], bw, sw, lw, hw)
         for i in range(r0, r1):
-            _col_filter(buf, m0, out[p, i], bh, sh, i)
-    return out
+            _col_filter(buf, m0, dst[i], bh, sh, i)
+    return out, out2

@@ -146,39 +146,60 @@ def blur_radius(sigma_px: float, width: int, height: int) -> int:
 
 
 class GaussianBlurCPU(torch.autograd.Function):
-    """Separable Gaussian blur with reflect padding of ``[B, C, H, W]`` CPU tensors; backward by the transposed
-    filter (exact, including the reflected borders)."""
+    """Separable Gaussian blur with reflect padding of one or two ``[B, C, H, W]`` CPU tensors of one size (the
+    render and the target: one kernel call for both); backward by the transposed filter (exact, including the
+    reflected borders). ``apply(img, img2_or_None, sigma_px, radius)`` returns the blurred ``img``, or the pair."""
 
     @staticmethod
-    def forward(ctx, img: Tensor, sigma_px: float, radius: int) -> Tensor:
+    def forward(ctx, img: Tensor, img2: Tensor | None, sigma_px: float, radius: int):
         from . import _filter_kernels as K
 
         B, C, H, W = img.shape
         dt = _dtype_name(img)
+        if img2 is not None and (img2.shape[-2:] != img.shape[-2:] or img2.dtype != img.dtype):
+            raise ValueError(f"blurring two images in one call needs one size and dtype, got {tuple(img.shape)} "
+                             f"{img.dtype} and {tuple(img2.shape)} {img2.dtype}")
         bw, sw, lw, hw = _bands(W, radius, float(sigma_px), "reflect", False, dt)
         bh, sh, _, _ = _bands(H, radius, float(sigma_px), "reflect", False, dt)
-        out = K.separable_filter(_planes(img), bw, sw, lw, hw, bh, sh, BLUR_CHUNK_ROWS)
-        ctx.params = (float(sigma_px), int(radius), dt, (B, C, H, W))
-        return torch.from_numpy(out).view(B, C, H, W)
+        second = _planes(img2) if img2 is not None else np.empty((0, H, W), dtype=dt)
+        out, out2 = K.separable_filter(_planes(img), second, bw, sw, lw, hw, bh, sh, BLUR_CHUNK_ROWS)
+        ctx.params = (float(sigma_px), int(radius), dt, tuple(img.shape),
+                      tuple(img2.shape) if img2 is not None else None)
+        if img2 is None:
+            return torch.from_numpy(out).view(B, C, H, W)
+        o1, o2 = torch.from_numpy(out).view(B, C, H, W), torch.from_numpy(out2).view(img2.shape)
+        for i, o in enumerate((o1, o2)):
+            if not ctx.needs_input_grad[i]:  # e.g. the target: its blur is a constant, not part of the graph
+                ctx.mark_non_differentiable(o)
+        return o1, o2
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad: Tensor):
+    def backward(ctx, *grads: Tensor):
         from . import _filter_kernels as K
 
-        sigma_px, radius, dt, (B, C, H, W) = ctx.params
+        sigma_px, radius, dt, shape, shape2 = ctx.params
+        H, W = shape[-2:]
         bw, sw, lw, hw = _bands(W, radius, sigma_px, "reflect", True, dt)
         bh, sh, _, _ = _bands(H, radius, sigma_px, "reflect", True, dt)
-        g = K.separable_filter(_planes(grad.to(getattr(torch, dt))), bw, sw, lw, hw, bh, sh, BLUR_CHUNK_ROWS)
-        return torch.from_numpy(g).view(B, C, H, W), None, None
+        want = [i for i, s in enumerate((shape, shape2)) if s is not None and ctx.needs_input_grad[i]]
+        planes = [_planes(grads[i].to(getattr(torch, dt))) for i in want]
+        while len(planes) < 2:
+            planes.append(np.empty((0, H, W), dtype=dt))
+        outs = K.separable_filter(planes[0], planes[1], bw, sw, lw, hw, bh, sh, BLUR_CHUNK_ROWS)
+        res = [None, None]
+        for k, i in enumerate(want):
+            res[i] = torch.from_numpy(outs[k]).view((shape, shape2)[i])
+        return res[0], res[1], None, None
 
 
-def gaussian_blur_cpu(img: Tensor, sigma_px: float) -> Tensor:
-    """The training blur (see :func:`splatflow.train.schedules.gaussian_blur`) on CPU tensors."""
-    if img.device.type != "cpu":
-        raise ValueError(f"gaussian_blur_cpu needs a CPU tensor, got one on {img.device}")
+def gaussian_blur_cpu(img: Tensor, sigma_px: float, img2: Tensor | None = None):
+    """The training blur (see :func:`splatflow.train.schedules.gaussian_blur`) on CPU tensors; with ``img2`` both
+    images in one kernel call, returned as a pair."""
+    if img.device.type != "cpu" or (img2 is not None and img2.device.type != "cpu"):
+        raise ValueError(f"gaussian_blur_cpu needs CPU tensors, got one on {img.device}")
     H, W = img.shape[-2:]
-    return GaussianBlurCPU.apply(img, float(sigma_px), blur_radius(sigma_px, W, H))
+    return GaussianBlurCPU.apply(img, img2, float(sigma_px), blur_radius(sigma_px, W, H))
 
 
 def ssim_l1_cpu(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:

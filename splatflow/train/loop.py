@@ -34,7 +34,7 @@ from splatflow.errors import UserError
 from splatflow.model import SPLAT_KEYS, init_splats, load_checkpoint, save_checkpoint, scene_scale
 from splatflow.train.images import ImageCache
 from splatflow.train.schedules import (BlurSchedule, ExpDecay, PlateauStopper, ResolutionSchedule, Schedules,
-                                       SHSchedule, gaussian_blur)
+                                       SHSchedule, gaussian_blur_pair)
 from splatflow.train.strategies import TorchMCMCStrategy, make_strategy
 
 log = logging.getLogger("splatflow.train")
@@ -50,8 +50,8 @@ def photometric_loss(pred: torch.Tensor, gt: torch.Tensor, sigma_px: float, ssim
     """``(loss, l1, ssim)`` of ``[1, 3, H, W]`` images after blurring both by ``sigma_px`` (3DGS Eq. 7)."""
     from splatflow.render.ssim import l1_ssim
 
-    if sigma_px >= 0.05:  # separately: the target needs no backward pass
-        pred, gt = gaussian_blur(pred, sigma_px), gaussian_blur(gt, sigma_px)  # 2 x [1, 3, H, W]
+    if sigma_px >= 0.05:  # one kernel call on CPU; the target gets no backward pass
+        pred, gt = gaussian_blur_pair(pred, gt, sigma_px)  # 2 x [1, 3, H, W]
     l1, s = l1_ssim(pred, gt)  # one kernel pass on CPU
     return (1.0 - ssim_lambda) * l1 + ssim_lambda * (1.0 - s), l1, s
 

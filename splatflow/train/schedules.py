@@ -134,6 +134,17 @@ def gaussian_blur(img: torch.Tensor, sigma_px: float) -> torch.Tensor:
     return gaussian_blur_torch(img, sigma_px)
 
 
+def gaussian_blur_pair(a: torch.Tensor, b: torch.Tensor, sigma_px: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`gaussian_blur` of two images of one size (render and target), in one kernel call on CPU."""
+    if sigma_px < 0.05:
+        return a, b
+    if a.device.type == "cpu" and b.device.type == "cpu":
+        from splatflow.render.filters import gaussian_blur_cpu
+
+        return gaussian_blur_cpu(a, sigma_px, b)
+    return gaussian_blur_torch(a, sigma_px), gaussian_blur_torch(b, sigma_px)
+
+
 def gaussian_blur_torch(img: torch.Tensor, sigma_px: float) -> torch.Tensor:
     """:func:`gaussian_blur` with torch convolutions on ``img``'s device (any device)."""
     if sigma_px < 0.05:
