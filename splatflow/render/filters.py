@@ -40,41 +40,16 @@ def band_matrix(n: int, taps: np.ndarray, mode: str, transpose: bool = False):
     ``(band [n, L], start [n] int64, lo, hi)`` with ``out[j] = sum_k band[j, k] in[start[j] + k]``, rows
     ``[lo, hi)`` being the plain stencil. ``mode`` is ``"zero"`` or ``"reflect"`` (needs ``r <= n - 1``, as
     ``F.pad``); ``transpose`` gives the adjoint (the backward pass)."""
-    L0 = len(taps)
-    r = (L0 - 1) // 2
+    from . import _filter_kernels as K
+
+    r = (len(taps) - 1) // 2
+    if mode not in ("zero", "reflect"):
+        raise ValueError(f"mode must be 'zero' or 'reflect', got {mode!r}")
     if mode == "reflect" and r > n - 1:
         raise ValueError(f"reflect padding needs a filter radius below the image side: radius {r}, side {n}")
-    L = min(L0, n)
-    j = np.arange(n)[:, None]  # [n, 1]
-    k = np.arange(L0)[None, :]  # [1, L0]
-    col = np.broadcast_to(j + k - r, (n, L0))  # [n, L0] source index of tap k for output j
-    row = np.broadcast_to(j, (n, L0))
-    w = np.broadcast_to(taps[None, :], (n, L0))
-    if mode == "zero":
-        valid = (col >= 0) & (col < n)
-    elif mode == "reflect":
-        col = np.where(col < 0, -col, col)
-        col = np.where(col > n - 1, 2 * (n - 1) - col, col)
-        valid = np.ones((n, L0), dtype=bool)
-    else:
-        raise ValueError(f"mode must be 'zero' or 'reflect', got {mode!r}")
-    if transpose:
-        row, col = col, row
-    row, col, w = row[valid], col[valid], w[valid]
-    start = np.clip(np.arange(n) - r, 0, n - L).astype(np.int64)
-    pos = col - start[row]
-    assert pos.min() >= 0 and pos.max() < L, "band too narrow for this filter"
-    band = np.zeros((n, L), dtype=np.float64)
-    np.add.at(band, (row, pos), w)
-    lo = hi = 0
-    if L == L0:
-        plain = (start == np.arange(n) - r) & (band == taps[None, :]).all(axis=1)
-        idx = np.flatnonzero(plain)
-        if len(idx):
-            lo, hi = int(idx[0]), int(idx[-1]) + 1
-            if not plain[lo:hi].all():
-                lo = hi = 0
-    return band, start, lo, hi
+    band, start, lo, hi = K.build_band(int(n), np.ascontiguousarray(taps, dtype=np.float64), mode == "reflect",
+                                       bool(transpose))
+    return band, start, int(lo), int(hi)
 
 
 @functools.lru_cache(maxsize=32)
