@@ -35,6 +35,31 @@ def check(ok: bool, key: str, allowed: str, value: Any) -> None:
 
 
 @dataclass(frozen=True)
+class ResolutionConfig:
+    """The image size train, prune and evaluate work at (:mod:`splatflow.scene.resolution`).
+
+    ``downscale`` (1, 2, 4 or 8, as the benchmark protocols use) takes the dataset's own ``images_N`` level when
+    it is usable and area-downscales the undistorted images by N otherwise; ``max_side_px`` area-downscales so the
+    longest side is at most that many pixels (never upscales). With neither, images whose longest side exceeds
+    ``default_max_side_px`` are brought to it (1600, as the reference 3DGS code does; 0 keeps full resolution).
+    """
+
+    downscale: int | None = None
+    max_side_px: int | None = None
+    default_max_side_px: int = 1600
+
+    def __post_init__(self):
+        if self.downscale is not None:
+            check(self.downscale in (1, 2, 4, 8), "resolution.downscale", "1, 2, 4 or 8 (or null)", self.downscale)
+        if self.max_side_px is not None:
+            check(self.max_side_px >= 64, "resolution.max_side_px", "an integer >= 64 (or null)", self.max_side_px)
+        check(self.downscale is None or self.max_side_px is None, "resolution",
+              "at most one of downscale and max_side_px", (self.downscale, self.max_side_px))
+        check(self.default_max_side_px == 0 or self.default_max_side_px >= 64, "resolution.default_max_side_px",
+              "0 (full resolution) or an integer >= 64", self.default_max_side_px)
+
+
+@dataclass(frozen=True)
 class SceneSource:
     """One scene: where its raw capture lives and, optionally, its true cameras."""
 
@@ -44,6 +69,8 @@ class SceneSource:
     # model folder, relative to ``source`` (or absolute). Set: ingest reads ``source``/images and copies the
     # images_N levels; the sfm stage imports this model instead of running SfM (splatflow.scene.colmap).
     colmap: str | None = None
+    masks: str | None = None  # folder of masks named like the images (white = keep); ingest copies them
+    resolution: ResolutionConfig | None = None  # this scene's size; null: base.resolution
 
     def __post_init__(self):
         if self.colmap is not None:
@@ -56,6 +83,12 @@ class BaseConfig:
     scenes: dict[str, SceneSource] = field(default_factory=dict)
     seed: int = 0
     threads: int = 2  # numba + torch threads per stage process
+    resolution: ResolutionConfig = field(default_factory=ResolutionConfig)  # default for every scene
+
+    def scene_resolution(self, name: str) -> ResolutionConfig:
+        """The resolution block of scene ``name``: its own, else ``base.resolution``."""
+        own = self.scenes[name].resolution if name in self.scenes else None
+        return own if own is not None else self.resolution
 
     def __post_init__(self):
         check(self.threads >= 1, "base.threads", "an integer >= 1", self.threads)
@@ -544,6 +577,11 @@ def _build(cls: type, data: dict, prefix: str) -> Any:
     for name, value in data.items():
         key = f"{prefix}.{name}" if prefix else name
         kwargs[name] = _convert(value, hints[name], key)
+    if cls is ResolutionConfig and prefix:  # the same block sits in base and in each scene: name the one at fault
+        try:
+            return cls(**kwargs)
+        except ConfigError as e:
+            raise ConfigError(str(e).replace("params.yaml: resolution", f"params.yaml: {prefix}", 1)) from None
     return cls(**kwargs)
 
 

@@ -26,7 +26,7 @@ import torch
 from splatflow.config import EvaluateConfig
 from splatflow.errors import UserError
 from splatflow.lpips import VARIANT_INPUTS, LpipsSet
-from splatflow.metrics import psnr, quantize_8bit, ssim
+from splatflow.metrics import masked_pair, masked_psnr, masked_ssim, psnr, quantize_8bit, ssim
 
 PER_VIEW_COLUMNS = ["view", "width", "height", "psnr", "ssim", "lpips_vgg_01", "lpips_vgg", "lpips_alex",
                     "render_seconds", "rss_mb"]
@@ -149,9 +149,24 @@ def _train_peak_rss(train_json: Path | None) -> float | None:
         return None
 
 
+def _area_resize(img: torch.Tensor, width: int, height: int) -> torch.Tensor:
+    """``[H, W, 3]`` float of 8-bit values area-downscaled in 8 bits (as training's targets and images_N files)."""
+    import cv2
+
+    u8 = (img.numpy() * 255.0 + 0.5).astype(np.uint8)
+    return torch.from_numpy(cv2.resize(u8, (width, height), interpolation=cv2.INTER_AREA).astype(np.float32) / 255.0)
+
+
+def _view_mask(view) -> torch.Tensor | None:
+    from splatflow.scene.masks import read_view_mask
+
+    m = read_view_mask(view)
+    return None if m is None else torch.from_numpy(m)
+
+
 def evaluate(splats: dict, sh_degree: int, test_views: list, cfg: EvaluateConfig, *, renders_dir: Path | None = None,
              split_rule: str | None = None, train_json: Path | None = None, progress: bool = True,
-             lpips: LpipsSet | None = None) -> tuple[dict, "object"]:
+             lpips: LpipsSet | None = None, resolution: dict | None = None) -> tuple[dict, "object"]:
     """Score ``splats`` on ``test_views``; returns ``(summary dict, per-view DataFrame)`` (validated)."""
     import pandas as pd
     from tqdm import tqdm
@@ -167,7 +182,7 @@ def evaluate(splats: dict, sh_degree: int, test_views: list, cfg: EvaluateConfig
     model = PreparedModel.from_splats(splats, sh_degree, device=dev)
     lpips = (lpips if lpips is not None else LpipsSet(cfg.lpips_variants, cfg.lpips_backbone_dir)).to(dev)
 
-    rows = []
+    rows, masked_fracs = [], []
     with torch.no_grad():
         model.render(test_views[0], backend)  # untimed warm-up (kernel compilation / caches)
         for view in tqdm(test_views, desc="evaluate", unit="view", disable=not progress):
@@ -175,13 +190,24 @@ def evaluate(splats: dict, sh_degree: int, test_views: list, cfg: EvaluateConfig
             render = model.render(view, backend)  # [H, W, 3]
             seconds = time.perf_counter() - t0
             # one image pair on the device at a time: decoded on the host, uploaded, freed after the view
-            gt = read_rgb(Path(view.image_path), int(view.width), int(view.height)).to(dev)  # [H, W, 3]
+            src = getattr(view, "source_size", None)  # a larger file: area-downscaled as training's targets
+            gt = read_rgb(Path(view.image_path), *(src or (int(view.width), int(view.height))))  # [H, W, 3]
+            if src is not None:
+                gt = _area_resize(gt, int(view.width), int(view.height))
+            gt = gt.to(dev)
             if cfg.quantize_8bit:
                 render = quantize_8bit(render)
             x, y = render.permute(2, 0, 1)[None], gt.permute(2, 0, 1)[None]  # [1, 3, H, W]
-            lp = lpips(x, y)
-            row = {"view": view.name, "width": int(view.width), "height": int(view.height), "psnr": psnr(x, y),
-                   "ssim": ssim(x, y), **{v: lp.get(v) for v in ("lpips_vgg_01", "lpips_vgg", "lpips_alex")},
+            keep = _view_mask(view)  # [H, W] bool or None
+            if keep is None:
+                lp = lpips(x, y)
+                p_, s_ = psnr(x, y), ssim(x, y)
+            else:  # kept pixels only; LPIPS on the render with the ground truth in its masked pixels
+                lp = lpips(masked_pair(x, y, keep), y)
+                p_, s_ = masked_psnr(x, y, keep), masked_ssim(x, y, keep)
+                masked_fracs.append(1.0 - float(keep.float().mean()))
+            row = {"view": view.name, "width": int(view.width), "height": int(view.height), "psnr": p_,
+                   "ssim": s_, **{v: lp.get(v) for v in ("lpips_vgg_01", "lpips_vgg", "lpips_alex")},
                    "render_seconds": seconds}
             if renders_dir is not None and cfg.save_renders:
                 save_side_by_side(Path(renders_dir) / Path(view.name).with_suffix(".png"), render.cpu(), gt.cpu(),
@@ -216,6 +242,12 @@ def evaluate(splats: dict, sh_degree: int, test_views: list, cfg: EvaluateConfig
             "image_sizes": sorted({f"{w}x{h}" for w, h in zip(df["width"], df["height"])}),
             "color": "RGB in [0, 1]; renders clamped to [0, 1], black background; ground truth from 8-bit files",
             "render_quantized_8bit": cfg.quantize_8bit,
+            "metrics_on_8bit_images": bool(cfg.quantize_8bit),  # ground truth is 8-bit; the render only if quantized
+            "resolution": resolution,  # the working size and the image source (splatflow.scene.resolution)
+            "masks": None if not masked_fracs else {
+                "views": len(masked_fracs), "masked_fraction_mean": round(float(np.mean(masked_fracs)), 4),
+                "rule": "PSNR and SSIM over kept (white) pixels only; SSIM windows and LPIPS see the render with "
+                        "the ground truth in its masked pixels"},
             "psnr": "-10 log10(MSE) over all pixels and channels of each view, then the mean over views",
             "ssim": "11x11 Gaussian window, sigma 1.5, C1=0.01^2, C2=0.03^2, zero 'same' padding (3DGS code)",
             "lpips": {v: VARIANT_INPUTS[v] for v in cfg.lpips_variants},
@@ -235,16 +267,20 @@ def evaluate(splats: dict, sh_degree: int, test_views: list, cfg: EvaluateConfig
 
 def evaluate_scene(ckpt_path: Path, undistorted_dir: Path, split_json: Path, cfg: EvaluateConfig, *,
                    renders_dir: Path | None, per_view_csv: Path, train_json: Path | None = None,
-                   progress: bool = True) -> dict:
-    """Load checkpoint and scene, evaluate on the test views, write ``per_view.csv``; return the summary."""
+                   progress: bool = True, scene=None, resolution: dict | None = None) -> dict:
+    """Load checkpoint and scene, evaluate on the test views, write ``per_view.csv``; return the summary.
+
+    ``scene`` (already at its working size, with masks: :func:`splatflow.scene.resolution.load_working_scene`)
+    replaces loading ``undistorted_dir``; ``resolution`` is what chose its size, recorded in the protocol."""
     from splatflow.model import load_splats
     from splatflow.scene.dataset import load_scene, read_split
 
     splats, sh_degree = load_splats(ckpt_path)
-    scene = load_scene(undistorted_dir, split_json)
+    if scene is None:
+        scene = load_scene(undistorted_dir, split_json)
     rule = read_split(split_json).get("rule")
     summary, df = evaluate(splats, sh_degree, scene.test_views, cfg, renders_dir=renders_dir, split_rule=rule,
-                           train_json=train_json, progress=progress)
+                           train_json=train_json, progress=progress, resolution=resolution)
     per_view_csv = Path(per_view_csv)
     per_view_csv.parent.mkdir(parents=True, exist_ok=True)
     df.to_csv(per_view_csv, index=False)

@@ -55,3 +55,34 @@ def ssim(x: torch.Tensor, y: torch.Tensor) -> float:
 def quantize_8bit(x: torch.Tensor) -> torch.Tensor:
     """Round to the 256 levels an 8-bit PNG would store (for metrics "as saved")."""
     return torch.round(x.clamp(0.0, 1.0) * 255.0) / 255.0
+
+
+def masked_pair(render: torch.Tensor, gt: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``render`` with the ground truth put in its masked pixels (``mask`` ``[H, W]`` bool, True = keep), so a
+    masked pixel differs nowhere: windowed metrics (SSIM, LPIPS) near the mask see no error from it."""
+    a, b = _as_bchw(render), _as_bchw(gt)
+    return torch.where(mask.to(a.device)[None, None], a, b)
+
+
+@torch.no_grad()
+def masked_psnr(x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> float:
+    """PSNR over the kept pixels (``mask`` ``[H, W]`` bool) only: the MSE's mean runs over kept pixels."""
+    a, b = _as_bchw(x), _as_bchw(y)
+    keep = mask.to(a.device)[None, None].expand_as(a)  # [B, 3, H, W]
+    if not bool(keep.any()):
+        raise ValueError("masked_psnr: the mask keeps no pixel")
+    mse = float(((a.double() - b.double()) ** 2)[keep].mean())
+    return math.inf if mse == 0.0 else -10.0 * math.log10(mse)
+
+
+@torch.no_grad()
+def masked_ssim(x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> float:
+    """Mean of the SSIM map (same window and constants as :func:`ssim`) over the kept pixels; the masked
+    pixels of ``x`` are replaced by ``y``'s first (:func:`masked_pair`), so they add no error to nearby windows."""
+    from splatflow.render.ssim import ssim_map_reference
+
+    a, b = _as_bchw(x), _as_bchw(y)
+    a = masked_pair(a, b, mask)
+    smap = ssim_map_reference(a.double(), b.double()).mean(1)  # [B, H, W]
+    keep = mask.to(a.device)[None].expand_as(smap)
+    return float(smap[keep].mean())

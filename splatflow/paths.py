@@ -33,6 +33,13 @@ class ScenePaths:
         return self.data_dir / "images"
 
     @property
+    def masks_dir(self) -> Path:  # <stem>.png per image, white = keep; only when the scene has masks
+        return self.data_dir / "masks"
+
+    def level_dir(self, n: int) -> Path:  # images_N: a dataset's own 1/N-size copies of images/ (same names)
+        return self.data_dir / f"images_{n}"
+
+    @property
     def sparse_dir(self) -> Path:
         return self.data_dir / "sparse"
 

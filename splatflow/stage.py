@@ -46,6 +46,13 @@ def write_metrics(paths: ScenePaths, stage: str, metrics: dict) -> Path:
     return out
 
 
+def _peak_rss_mb() -> float:
+    """Peak resident set size of this process so far, in MiB (Linux reports ru_maxrss in KiB)."""
+    import resource
+
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1)
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     try:
@@ -95,6 +102,7 @@ def stage_main(stage: str, run: RunFn, argv: list[str] | None = None, *, needs_t
             metrics = run(params, paths)
             metrics = dict(metrics or {})
             metrics.setdefault("stage_seconds", round(time.perf_counter() - t0, 3))
+            metrics.setdefault("peak_rss_mb", _peak_rss_mb())  # of this stage's process (memory on real captures)
             write_metrics(paths, stage, metrics)
             tracker.log_result(metrics)
     except (UserError, ConfigError) as e:

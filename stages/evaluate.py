@@ -22,9 +22,13 @@ def run(params: Params, paths: ScenePaths) -> dict:
     if renders.exists():  # no stale images of views that are no longer test views
         for old in renders.rglob("*.png"):
             old.unlink()
+    from splatflow.scene.resolution import describe, load_working_scene
+
+    scene, resolution = load_working_scene(params, paths)  # the size (and masks) training used
+    print(f"evaluate [{paths.scene}]: {describe(resolution)}")
     summary = evaluate_scene(paths.prune_ckpt, paths.undistorted_dir, paths.split_json, cfg,
                              renders_dir=renders if cfg.save_renders else None, per_view_csv=paths.per_view_csv,
-                             train_json=paths.metrics_json("train"))
+                             train_json=paths.metrics_json("train"), scene=scene, resolution=resolution)
     lp = ", ".join(f"{v} {summary[v]:.4f}" if summary[v] is not None else f"{v} null" for v in cfg.lpips_variants)
     print(f"evaluate [{paths.scene}]: {summary['test_views']} test views: PSNR {summary['psnr']:.2f} dB, "
           f"SSIM {summary['ssim']:.4f}, {lp}; {summary['fps']:.1f} FPS, {summary['gaussians']} Gaussians")

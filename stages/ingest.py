@@ -53,7 +53,30 @@ def run(params: Params, paths: ScenePaths) -> dict:
     if levels is not None:
         metrics["colmap_model"] = scene.colmap
         metrics["levels"] = levels
+    metrics.update(_masks(params, paths, result))
     return metrics
+
+
+def _masks(params: Params, paths: ScenePaths, result) -> dict:
+    """Check and copy ``base.scenes.S.masks`` to ``data/S/masks`` (a DVC out, so it exists, empty, without)."""
+    import shutil
+
+    from splatflow.scene.masks import ingest_masks
+
+    masks = params.scene(paths.scene).masks
+    if masks is None:
+        if paths.masks_dir.exists():
+            shutil.rmtree(paths.masks_dir)
+        paths.masks_dir.mkdir(parents=True)
+        return {"masks": 0}
+    if result.source_kind != "folder":
+        raise UserError(f"base.scenes.{paths.scene}.masks: masks need a folder of images as the source (frames of a "
+                        "video have no names to match); remove the key or extract the frames first")
+    src = Path(masks).expanduser()
+    out = ingest_masks(src if src.is_absolute() else paths.root / src, result.kept, paths.masks_dir)
+    print(f"ingest [{paths.scene}]: {out['masks']} masks checked -> {paths.masks_dir} "
+          f"(mean kept fraction {out['mask_kept_fraction_mean']:.3f})")
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -15,6 +15,10 @@ from splatflow.stage import stage_main
 def run(params: Params, paths: ScenePaths) -> dict:
     """Prune scene ``paths.scene``; write the pruned checkpoint; return the metrics."""
     from splatflow.prune import run_prune
+    from splatflow.scene.resolution import describe, load_working_scene
+
+    scene, resolution = load_working_scene(params, paths)  # the size and masks training used
+    print(f"prune [{paths.scene}]: {describe(resolution)}")
 
     logger = _step_logger()
 
@@ -24,9 +28,10 @@ def run(params: Params, paths: ScenePaths) -> dict:
                                          "keep_fraction": record["keep_fraction"]})
 
     try:
-        return run_prune(params.prune, params.train, train_ckpt=paths.train_ckpt, out_ckpt=paths.prune_ckpt,
-                         undistorted_dir=paths.undistorted_dir, split_json=paths.split_json, seed=params.base.seed,
-                         phase_callback=log_phase)
+        metrics = run_prune(params.prune, params.train, train_ckpt=paths.train_ckpt, out_ckpt=paths.prune_ckpt,
+                            scene=scene, split_json=paths.split_json, seed=params.base.seed,
+                            phase_callback=log_phase)
+        return {**metrics, "resolution": resolution}
     finally:
         if logger is not None:
             logger.close()

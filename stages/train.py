@@ -26,7 +26,7 @@ def _step_logger():
 def run(params: Params, paths: ScenePaths) -> dict:
     """Train scene ``paths.scene``; write the checkpoint and CSV; return the metrics dict."""
     from splatflow.device import resolve
-    from splatflow.scene.dataset import load_scene
+    from splatflow.scene.resolution import describe, load_working_scene
     from splatflow.train import train
 
     resolve(params.train.backend)  # a missing GPU or a broken gsplat build is reported before anything else
@@ -34,7 +34,8 @@ def run(params: Params, paths: ScenePaths) -> dict:
         raise UserError(f"{paths.undistorted_dir}: not found; run the sfm stage first (`dvc repro sfm@{paths.scene}`)")
     if not paths.split_json.exists():
         raise UserError(f"{paths.split_json}: not found; run the split stage first (`dvc repro split@{paths.scene}`)")
-    scene = load_scene(paths.undistorted_dir, paths.split_json)
+    scene, resolution = load_working_scene(params, paths)
+    print(f"train [{paths.scene}]: {describe(resolution)}")
     cfg = params.train
     res = train(scene, cfg, ckpt_path=paths.train_ckpt, csv_path=paths.train_csv, seed=params.base.seed,
                 step_logger=_step_logger())
@@ -58,6 +59,7 @@ def run(params: Params, paths: ScenePaths) -> dict:
         "refine_events": len(refine),
         "resumed_from": res.resumed_from,
         "device": res.device,  # backend, device name, versions, peak GPU memory (null on the CPU)
+        "resolution": resolution,
     }
 
 

@@ -35,6 +35,12 @@ class View:
     height: int
     K: np.ndarray  # [3, 3] float64
     world_to_cam: np.ndarray  # [4, 4] float64, x_cam = R X + t; camera looks along +z, y down
+    # (w, h) of the file at image_path when it is larger than width x height: readers area-downscale it
+    # (splatflow.scene.resolution); None: the file is exactly width x height
+    source_size: tuple[int, int] | None = None
+    mask_path: Path | None = None  # white = keep (splatflow.scene.masks); None: every pixel counts
+    # the distorted SfM camera (pycolmap.Camera) the mask was drawn in, when the image was undistorted
+    mask_camera: object | None = None
 
     @property
     def camera_center(self) -> np.ndarray:

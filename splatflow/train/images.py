@@ -69,11 +69,11 @@ class ImageCache:
         v = self.views[i]
         full = self._cache.get((i, 1.0))
         if full is None:
-            full = read_rgb(v.image_path)
+            from splatflow.scene.resolution import read_view_rgb
+
+            # the view's working size (area-downscaled on decode when base.resolution asks for less than the file)
+            full = read_view_rgb(v)
             self.decodes += 1
-            if full.shape[:2] != (v.height, v.width):
-                raise UserError(f"{v.image_path}: image is {full.shape[1]}x{full.shape[0]} but its camera says "
-                                f"{v.width}x{v.height}; rerun the sfm stage so images and model agree")
         if factor == 1.0:
             arr = full
         else:
@@ -81,6 +81,31 @@ class ImageCache:
             arr = cv2.resize(full, (w, h), interpolation=cv2.INTER_AREA)
         self._put(key, arr)
         return arr
+
+    def mask(self, i: int, factor: float) -> torch.Tensor | None:
+        """``[H, W]`` bool keep-mask of view ``i`` at ``factor`` (None: the view has no mask). A pixel of a
+        smaller level is kept only when every working-size pixel it averages is (splatflow.scene.masks)."""
+        if getattr(self.views[i], "mask_path", None) is None:
+            return None
+        key = (i, float(factor), "mask")
+        arr = self._cache.get(key)
+        if arr is None:
+            from splatflow.scene.masks import read_view_mask
+
+            base = self._cache.get((i, 1.0, "mask"))
+            if base is None:
+                base = read_view_mask(self.views[i]).astype(np.uint8)  # [H, W] 0/1
+                self._put((i, 1.0, "mask"), base)
+            arr = base
+            if factor != 1.0:
+                v = self.views[i]
+                w, h = level_size(v.width, v.height, factor)
+                arr = (cv2.resize(base.astype(np.float32), (w, h), interpolation=cv2.INTER_AREA) >= 0.999
+                       ).astype(np.uint8)
+                self._put(key, arr)
+        else:
+            self._cache.move_to_end(key)
+        return torch.from_numpy(arr.astype(bool))
 
     def get(self, i: int, factor: float, device: torch.device | str = "cpu") -> tuple[torch.Tensor, np.ndarray]:
         """``(image [H, W, 3] float32 in [0, 1] on device, K [3, 3])`` of view ``i`` at resolution ``factor``.

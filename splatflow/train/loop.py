@@ -216,11 +216,13 @@ class Trainer:
         from splatflow.render import rasterize
 
         target, K = self.cache.get(i, factor, device=self.device)
+        mask = self.cache.mask(i, factor)  # [H, W] bool keep-mask, None without masks
         h, w = target.shape[:2]
         win = patch_window(w, h, self.cfg.patch_max_pixels) if patch else None
         if win is not None:
             x0, y0, pw, ph = win
             target = target[y0:y0 + ph, x0:x0 + pw]
+            mask = None if mask is None else mask[y0:y0 + ph, x0:x0 + pw]
         p = self.params
         k = (sh_degree + 1) ** 2
         colors = torch.cat([p["sh0"], p["shN"][:, : k - 1]], dim=1)  # [N, K, 3]
@@ -229,6 +231,7 @@ class Trainer:
             self.viewmats[i][None], torch.as_tensor(K, dtype=torch.float32, device=self.device)[None], w, h,
             sh_degree=sh_degree, backgrounds=None if background is None else background[None],
             backend=self.cfg.backend, absgrad=self.cfg.densify.absgrad, window=win)
+        info["loss_mask"] = None if mask is None else mask.to(target.device)  # read by train_step and validate
         return rgb[0], target, info  # [H, W, 3]
 
     @torch.no_grad()
@@ -237,8 +240,9 @@ class Trainer:
         deg = self.sched.sh.degree(self.step)
         vals = []
         for i in self.val_ids:
-            rgb, target, _ = self.render(i, self.cfg.early_stop.val_factor, deg)
-            mse = float(((rgb.clamp(0, 1) - target) ** 2).mean())
+            rgb, target, vinfo = self.render(i, self.cfg.early_stop.val_factor, deg)
+            err = (rgb.clamp(0, 1) - target) ** 2  # [H, W, 3]
+            mse = float(err.mean() if vinfo["loss_mask"] is None else err[vinfo["loss_mask"]].mean())
             vals.append(-10.0 * math.log10(max(mse, 1e-12)))
         return float(np.mean(vals))
 
@@ -275,7 +279,12 @@ class Trainer:
             self.strategy.step_pre_backward(self.params, self.optimizers, self.strategy_state, step, info)
         pred = rgb.permute(2, 0, 1)[None]  # [1, 3, H, W]
         gt = target.permute(2, 0, 1)[None]  # [1, 3, H, W]
+        mask = info["loss_mask"]  # [H, W] bool or None
+        if mask is not None:  # masked pixels show the target instead of the render: no loss, no gradient there
+            pred = torch.where(mask[None, None], pred, gt)
         loss, l1, ssim_v = self.loss_fn(pred, gt, sigma, cfg.ssim_lambda)
+        if mask is not None:  # the means ran over every pixel: rescale to a mean over the kept ones
+            loss = loss * (mask.numel() / max(int(mask.sum()), 1))
         if isinstance(self.strategy, TorchMCMCStrategy):  # 3DGS-MCMC regularisers (Kheradmand et al. 2024 §4.3)
             loss = loss + self._mcmc_regulariser(info)
         if not self._grad_checked and not loss.requires_grad:
@@ -308,7 +317,8 @@ class Trainer:
         if ev:
             self._log_event(ev)
         with torch.no_grad():
-            mse = float(((rgb.detach().clamp(0, 1) - target) ** 2).mean())
+            err = (rgb.detach().clamp(0, 1) - target) ** 2  # [H, W, 3]
+            mse = float(err.mean() if mask is None or not bool(mask.any()) else err[mask].mean())
         return {"step": step + 1, "phase": phase, "resolution": f"{info['width']}x{info['height']}",
                 "sigma": round(sigma, 4), "loss": loss_f, "l1": float(l1.detach()), "ssim": float(ssim_v.detach()),
                 "psnr": -10.0 * math.log10(max(mse, 1e-12)), "gaussians": self.params["means"].shape[0]}
