@@ -52,6 +52,7 @@ def run(params: Params, paths: ScenePaths) -> dict:
                          seed=params.base.seed, threads=params.base.threads, ordered_sequence=from_video,
                          ground_truth=gt)
     m = result.metrics
+    m.setdefault("matcher", result.matcher)  # what sfm.matcher: auto chose
     print(f"sfm [{paths.scene}]: {m['images_registered']}/{m['images_total']} images registered, {m['points3d']} "
           f"points, reprojection error {m['mean_reprojection_error_px']:.3f} px "
           f"({'imported model' if result.matcher == 'imported' else result.matcher + ' matching'}) "

@@ -157,7 +157,7 @@ def test_images_n_of_the_wrong_size_is_refused(tmp_path):
     data, _ = _level_scene(tmp_path, 4, distorted=False)
     scene, info = apply_resolution(load_scene(data / "undistorted"), ResolutionConfig(downscale=2), data_dir=data,
                                    sparse_dir=data / "sparse", undistorted_model=data / "undistorted")
-    assert info["image_source"].startswith("area-downscaled") and "images_2 does not exist" in info["reason"]
+    assert info["image_source"].startswith("area-downscaled") and "no images_2/" in info["reason"]
     (data / "images_4").rename(data / "images_2")  # quarter-size files under the name of the half-size level
     scene, info = apply_resolution(load_scene(data / "undistorted"), ResolutionConfig(downscale=2), data_dir=data,
                                    sparse_dir=data / "sparse", undistorted_model=data / "undistorted")
@@ -193,3 +193,41 @@ def test_evaluate_json_states_resolution_source_and_8bit(tmp_path):
         assert prot["metrics_on_8bit_images"] is quantize and prot["masks"] is None
         # the 48x36 render against the area-downscaled 96x72 render of the same model: the same picture
         assert out["psnr"] > 25, out["psnr"]
+
+
+def test_train_and_evaluate_at_downscale_2_through_dvc(tmp_path):
+    """The tiny scene (320x240) through `dvc repro` at downscale 2: train, prune and evaluate work at 160x120,
+    the metrics say so, and every stage reports its peak memory."""
+    from tests._project import dvc, make_project
+
+    root = make_project(tmp_path / "proj", overrides={
+        "base": {"resolution": {"downscale": 2, "max_side_px": None, "default_max_side_px": 1600}},
+        "train": {"max_steps": 60, "progress": False},
+        "prune": {"phases": 1, "finetune_steps": 5, "progress": False},
+        "evaluate": {"lpips_variants": []}})
+    dvc(root, "repro", "evaluate@tiny")
+    m = {s: json.loads((root / f"metrics/tiny/{s}.json").read_text())
+         for s in ("ingest", "sfm", "split", "train", "prune", "evaluate")}
+    for stage, metrics in m.items():
+        assert metrics["peak_rss_mb"] > 50, stage
+    assert m["sfm"]["matcher"] == "exhaustive"
+    for stage in ("train", "prune"):
+        assert m[stage]["resolution"]["sizes"] == ["160x120"], stage
+        assert m[stage]["resolution"]["rule"] == "downscale 2"
+    prot = m["evaluate"]["protocol"]
+    assert prot["image_sizes"] == ["160x120"] and prot["resolution"]["sizes"] == ["160x120"]
+    assert prot["resolution"]["image_source"].startswith("area-downscaled")  # our own SfM undistorts
+    assert m["evaluate"]["psnr"] > 12
+    renders = sorted((root / "data/tiny/renders").glob("*.png"))
+    assert renders and cv2.imread(str(renders[0])).shape == (120, 3 * 160, 3)
+    # changing the resolution reruns train, prune and evaluate, not ingest/sfm/split
+    import re
+
+    import yaml
+
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    params["base"]["resolution"]["downscale"] = 4
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    out = dvc(root, "status").stdout
+    changed = set(re.findall(r"^(\w+)@tiny:", out, flags=re.M))
+    assert {"train", "prune", "evaluate"} <= changed and not changed & {"ingest", "sfm", "split"}, out

@@ -102,7 +102,7 @@ def _usable_level(views, data_dir: Path, n: int, sparse_dir: Path | None,
     """``({name: (path, (w, h))}, why)`` when ``data_dir/images_N`` serves every view, else ``(None, why not)``."""
     level = Path(data_dir) / f"images_{n}"
     if not level.is_dir():
-        return None, f"{level} does not exist"
+        return None, f"no {level.name}/ next to the undistorted images"
     if undistorted_model is not None:
         ok, why = _needed_no_undistortion(sparse_dir, undistorted_model)
         if not ok:

@@ -354,6 +354,13 @@ def run_sfm(images_dir: str | Path, sparse_dir: str | Path, undistorted_dir: str
     width, height = max(g.width for g in groups), max(g.height for g in groups)
     truth = read_ground_truth(ground_truth) if ground_truth is not None else None  # fail early on a bad path
     matcher = choose_matcher(cfg, len(names), ordered_sequence)
+    if cfg.matcher == "auto" and matcher == "sequential" and not ordered_sequence:
+        # exhaustive matching grows as n^2 (55 pairs of 3072x2048 photos: ~40 s on 2 cores) and vocabulary-tree
+        # retrieval needs a download: past the limit, neighbours in name order are matched (camera file names
+        # usually follow the capture order)
+        _say(f"{len(names)} images exceed sfm.exhaustive_max_images ({cfg.exhaustive_max_images}): sequential "
+             f"matching of the {cfg.sequential_overlap} next images in name order; raise the limit (time grows "
+             "with the square of the count) or set sfm.matcher: exhaustive for an unordered collection")
     pycolmap.logging.minloglevel = 1  # warnings and errors; our own lines report the phases
 
     parent = sparse_dir.parent
