@@ -70,6 +70,9 @@ def add_scene(
     ground_truth: Optional[Path] = typer.Option(None, help="true cameras (COLMAP text model folder, "
                                                            "cameras.json or Strecha camera folder)"),
     force: bool = typer.Option(False, help="replace an existing scene of that name"),
+    masks: Optional[Path] = typer.Option(None, help="folder of masks named like the images (white = keep)"),
+    downscale: Optional[int] = typer.Option(None, help="this scene's working resolution: 1, 2, 4 or 8 "
+                                                       "(default: base.resolution)"),
 ):
     """Register a folder of images, a video or a COLMAP dataset as a scene in params.yaml (keeps its comments)."""
     from ruamel.yaml import YAML
@@ -111,6 +114,12 @@ def add_scene(
         if not ground_truth.exists():
             _fail(f"{ground_truth} does not exist")
         entry["ground_truth"] = rel(ground_truth)
+    if masks is not None:
+        if not masks.is_dir():
+            _fail(f"{masks} is not a folder; give the folder of masks (named like the images, white = keep)")
+        entry["masks"] = rel(masks)
+    if downscale is not None:
+        entry["resolution"] = {"downscale": downscale}  # checked with the rest by load_params below
     scenes[name] = entry
     tmp = params_path.with_suffix(".yaml.tmp")
     with tmp.open("w") as f:

@@ -185,3 +185,25 @@ def test_mask_follows_the_undistortion(tmp_path):
     cam.params = [500.0, 320.0, 240.0, 0.0]
     keep0 = read_view_mask(dataclasses.replace(v, mask_camera=cam))
     np.testing.assert_array_equal(keep0, m >= 128)
+
+
+def test_add_scene_records_masks_and_downscale(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from splatflow.cli import app
+    from splatflow.config import load_params
+    from tests._project import REPO
+
+    (tmp_path / "params.yaml").write_text((REPO / "params.yaml").read_text())
+    (tmp_path / "dvc.yaml").write_text((REPO / "dvc.yaml").read_text())
+    (tmp_path / "photos").mkdir()
+    (tmp_path / "masks").mkdir()
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(app, ["add-scene", "g", "photos", "--masks", "masks", "--downscale", "4"])
+    assert r.exit_code == 0, r.output
+    s = load_params(tmp_path / "params.yaml").scene("g")
+    assert s.masks == "masks" and s.resolution.downscale == 4
+    r = CliRunner().invoke(app, ["add-scene", "h", "photos", "--downscale", "3"])
+    assert r.exit_code == 2 and "base.scenes.h.resolution.downscale" in r.output
+    r = CliRunner().invoke(app, ["add-scene", "k", "photos", "--masks", "nowhere"])
+    assert r.exit_code == 2 and "not a folder" in r.output
