@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -91,17 +92,22 @@ def run_stage(proj: Path, scene: str, stage: str, log_dir: Path) -> dict:
     env.update({"OMP_WAIT_POLICY": "PASSIVE", "SPLATFLOW_TRACKING": "off", "PYTHONPATH": str(proj)})
     log = log_dir / f"{scene}.{stage}.log"
     t0 = time.perf_counter()
+    r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     with open(log, "w") as f:
         p = subprocess.run([sys.executable, "-m", f"stages.{stage}", scene], cwd=proj, env=env, stdout=f,
                            stderr=subprocess.STDOUT)
     wall = time.perf_counter() - t0
+    r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    # CPU seconds of the stage process (all threads): on a loaded machine, cpu / threads estimates the wall time
+    # the stage would take on 2 free cores (a lower bound: contention also slows each CPU second)
+    cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
     if p.returncode != 0:
         tail = log.read_text()[-3000:]
         raise SystemExit(f"{scene}: stage {stage} failed ({p.returncode}); log {log}:\n{tail}")
     metrics = json.loads((proj / "metrics" / scene / f"{stage}.json").read_text())
-    print(f"[{scene}] {stage}: {wall:.1f} s, peak {metrics.get('peak_rss_mb')} MiB  (load {load_average()})",
-          flush=True)
-    return {"wall_seconds": round(wall, 1), "metrics": metrics}
+    print(f"[{scene}] {stage}: {wall:.1f} s ({cpu:.1f} CPU-s), peak {metrics.get('peak_rss_mb')} MiB  "
+          f"(load {load_average()})", flush=True)
+    return {"wall_seconds": round(wall, 1), "cpu_seconds": round(cpu, 1), "metrics": metrics}
 
 
 def summarise(scene: str, stages: dict, split_mode: str) -> dict:
@@ -120,6 +126,8 @@ def summarise(scene: str, stages: dict, split_mode: str) -> dict:
         "train_steps": tr["steps"], "train_stopped": tr["stopped"], "train_seconds": tr["train_seconds"],
         "export_mb": {k: v["size_mb"] for k, v in ex["files"].items()},
         "stage_seconds": {k: v["wall_seconds"] for k, v in stages.items()},
+        "stage_cpu_seconds": {k: v["cpu_seconds"] for k, v in stages.items()},
+        "train_it_per_s": tr["it_per_s"],
         "peak_rss_mb": {k: v["metrics"].get("peak_rss_mb") for k, v in stages.items()},
     }
 
@@ -215,6 +223,7 @@ def print_result(r: dict) -> None:
           + ", ".join(f"{k} {v:.2f} MB" for k, v in r["export_mb"].items()))
     print("   stage   " + " ".join(f"{s:>9}" for s in STAGES))
     print("   seconds " + " ".join(f"{r['stage_seconds'][s]:>9.1f}" for s in STAGES))
+    print("   CPU-s   " + " ".join(f"{r['stage_cpu_seconds'][s]:>9.1f}" for s in STAGES))
     print("   peakMiB " + " ".join(f"{(r['peak_rss_mb'][s] or 0):>9.0f}" for s in STAGES))
     if r.get("renders"):
         print("   renders " + ", ".join(r["renders"]))
