@@ -16,7 +16,8 @@ standard every-8th split.
 
 Target: fountain-P11 at downscale 4 with test view 0005.jpg at >= 25.4 dB with <= 9 minutes of training.
 
-    python bench/real_scenes.py [--data DIR] [--work DIR] [--steps N] [--prune-steps N] [--json PATH]
+    python bench/real_scenes.py [--data DIR] [--work DIR] [--steps N] [--prune-steps N] [--start-at STAGE]
+                                [--json PATH]
 """
 
 from __future__ import annotations
@@ -51,14 +52,17 @@ def has_test_names() -> bool:
 
 
 def make_project(work: Path, scene: str, scene_dir: Path, downscale: int, steps: int | None,
-                 prune_steps: int | None, test_names: list[str] | None, native_test_names: bool) -> Path:
+                 prune_steps: int | None, test_names: list[str] | None, native_test_names: bool,
+                 keep: bool = False) -> Path:
+    """The scene's project under ``work`` (replaced, unless ``keep``: then only params.yaml is rewritten)."""
     proj = work / scene
-    if proj.exists():
-        shutil.rmtree(proj)
-    proj.mkdir(parents=True)
-    (proj / "splatflow").symlink_to(ROOT / "splatflow", target_is_directory=True)  # numba's cache stays shared
-    shutil.copytree(ROOT / "stages", proj / "stages", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(ROOT / "dvc.yaml", proj / "dvc.yaml")
+    if not keep:
+        if proj.exists():
+            shutil.rmtree(proj)
+        proj.mkdir(parents=True)
+        (proj / "splatflow").symlink_to(ROOT / "splatflow", target_is_directory=True)  # numba's cache stays shared
+        shutil.copytree(ROOT / "stages", proj / "stages", ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copy(ROOT / "dvc.yaml", proj / "dvc.yaml")
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     gt = scene_dir / "gt_dense_cameras"
     params["base"]["scenes"] = {scene: {"source": str((scene_dir / "images").resolve()),
@@ -107,7 +111,10 @@ def run_stage(proj: Path, scene: str, stage: str, log_dir: Path) -> dict:
     metrics = json.loads((proj / "metrics" / scene / f"{stage}.json").read_text())
     print(f"[{scene}] {stage}: {wall:.1f} s ({cpu:.1f} CPU-s), peak {metrics.get('peak_rss_mb')} MiB  "
           f"(load {load_average()})", flush=True)
-    return {"wall_seconds": round(wall, 1), "cpu_seconds": round(cpu, 1), "metrics": metrics}
+    record = {"wall_seconds": round(wall, 1), "cpu_seconds": round(cpu, 1), "load_after": load_average(),
+              "metrics": metrics}
+    (proj / f"bench.{stage}.json").write_text(json.dumps(record, indent=1) + "\n")  # for --start-at
+    return record
 
 
 def summarise(scene: str, stages: dict, split_mode: str) -> dict:
@@ -146,6 +153,9 @@ def main() -> None:
                     help="a named test view (repeatable); default fountain-P11=0005.jpg")
     ap.add_argument("--renders", default=str(ROOT / "bench" / "renders"),
                     help="copy each test view's render | ground truth | error PNG here as JPEG ('' = no copy)")
+    ap.add_argument("--start-at", choices=STAGES, default=STAGES[0],
+                    help="keep the projects in --work and rerun from this stage (e.g. prune with other "
+                         "--prune-steps); earlier stages' figures are read from their bench.<stage>.json")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
 
@@ -176,9 +186,17 @@ def main() -> None:
     results = []
     for scene in scenes:
         names = test_names.get(scene)
-        proj = make_project(work, scene, data / scene, args.downscale, args.steps, args.prune_steps, names, native)
+        keep = args.start_at != STAGES[0]
+        proj = make_project(work, scene, data / scene, args.downscale, args.steps, args.prune_steps, names, native,
+                            keep=keep)
         stages = {}
         for stage in STAGES:
+            if STAGES.index(stage) < STAGES.index(args.start_at):  # measured by an earlier run of this bench
+                rec = proj / f"bench.{stage}.json"
+                if not rec.exists():
+                    raise SystemExit(f"--start-at {args.start_at}: {rec} is missing; run the earlier stages first")
+                stages[stage] = json.loads(rec.read_text())
+                continue
             stages[stage] = run_stage(proj, scene, stage, work)
             if stage == "split" and names and not native:
                 local_test_names(proj, scene, names)
