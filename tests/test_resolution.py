@@ -157,7 +157,12 @@ def test_images_n_of_the_wrong_size_is_refused(tmp_path):
     data, _ = _level_scene(tmp_path, 4, distorted=False)
     scene, info = apply_resolution(load_scene(data / "undistorted"), ResolutionConfig(downscale=2), data_dir=data,
                                    sparse_dir=data / "sparse", undistorted_model=data / "undistorted")
-    assert info["image_source"].startswith("area-downscaled") and "no images_2/" in info["reason"]
+    assert info["image_source"].startswith("area-downscaled") and "no images_2/ level" in info["reason"]
+    (data / "images_2").mkdir()  # what ingest leaves for a dataset without the level: an empty folder
+    scene, info = apply_resolution(load_scene(data / "undistorted"), ResolutionConfig(downscale=2), data_dir=data,
+                                   sparse_dir=data / "sparse", undistorted_model=data / "undistorted")
+    assert info["image_source"].startswith("area-downscaled") and "no images_2/ level" in info["reason"]
+    (data / "images_2").rmdir()
     (data / "images_4").rename(data / "images_2")  # quarter-size files under the name of the half-size level
     scene, info = apply_resolution(load_scene(data / "undistorted"), ResolutionConfig(downscale=2), data_dir=data,
                                    sparse_dir=data / "sparse", undistorted_model=data / "undistorted")

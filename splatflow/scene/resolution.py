@@ -101,8 +101,8 @@ def _usable_level(views, data_dir: Path, n: int, sparse_dir: Path | None,
                   undistorted_model: Path | None) -> tuple[dict | None, str]:
     """``({name: (path, (w, h))}, why)`` when ``data_dir/images_N`` serves every view, else ``(None, why not)``."""
     level = Path(data_dir) / f"images_{n}"
-    if not level.is_dir():
-        return None, f"no {level.name}/ next to the undistorted images"
+    if not level.is_dir() or not any(level.iterdir()):  # ingest leaves the folder empty for datasets without it
+        return None, f"no {level.name}/ level in this dataset"
     if undistorted_model is not None:
         ok, why = _needed_no_undistortion(sparse_dir, undistorted_model)
         if not ok:
