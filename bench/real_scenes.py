@@ -53,7 +53,7 @@ def has_test_names() -> bool:
 
 def make_project(work: Path, scene: str, scene_dir: Path, downscale: int, steps: int | None,
                  prune_steps: int | None, test_names: list[str] | None, native_test_names: bool,
-                 keep: bool = False) -> Path:
+                 keep: bool = False, prune_phases: int | None = None) -> Path:
     """The scene's project under ``work`` (replaced, unless ``keep``: then only params.yaml is rewritten)."""
     proj = work / scene
     if not keep:
@@ -72,6 +72,8 @@ def make_project(work: Path, scene: str, scene_dir: Path, downscale: int, steps:
         params["train"]["max_steps"] = steps
     if prune_steps is not None:
         params["prune"]["finetune_steps"] = prune_steps
+    if prune_phases is not None:
+        params["prune"]["phases"] = prune_phases  # 0: the prune stage copies the trained model (still measured)
     if test_names and native_test_names:
         params["split"]["test_names"] = list(test_names)
     (proj / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
@@ -149,6 +151,7 @@ def main() -> None:
     ap.add_argument("--downscale", type=int, default=4)
     ap.add_argument("--steps", type=int, help="train.max_steps (default: params.yaml's)")
     ap.add_argument("--prune-steps", type=int, help="prune.finetune_steps (default: params.yaml's)")
+    ap.add_argument("--prune-phases", type=int, help="prune.phases (0: no pruning; default: params.yaml's)")
     ap.add_argument("--test-name", action="append", default=[], metavar="SCENE=NAME",
                     help="a named test view (repeatable); default fountain-P11=0005.jpg")
     ap.add_argument("--renders", default=str(ROOT / "bench" / "renders"),
@@ -188,7 +191,7 @@ def main() -> None:
         names = test_names.get(scene)
         keep = args.start_at != STAGES[0]
         proj = make_project(work, scene, data / scene, args.downscale, args.steps, args.prune_steps, names, native,
-                            keep=keep)
+                            keep=keep, prune_phases=args.prune_phases)
         stages = {}
         for stage in STAGES:
             if STAGES.index(stage) < STAGES.index(args.start_at):  # measured by an earlier run of this bench
@@ -209,7 +212,8 @@ def main() -> None:
         print_result(res)
     out = {"started": started, "finished": {"load_average": load_average(),
                                             "time": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())},
-           "downscale": args.downscale, "steps": args.steps, "prune_steps": args.prune_steps, "scenes": results}
+           "downscale": args.downscale, "steps": args.steps, "prune_steps": args.prune_steps,
+           "prune_phases": args.prune_phases, "start_at": args.start_at, "scenes": results}
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
         print(f"wrote {args.json}")
