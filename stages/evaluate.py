@@ -22,6 +22,7 @@ def run(params: Params, paths: ScenePaths) -> dict:
     if renders.exists():  # no stale images of views that are no longer test views
         for old in renders.rglob("*.png"):
             old.unlink()
+    renders.mkdir(parents=True, exist_ok=True)  # a DVC output: it must exist (empty) when save_renders is false
     from splatflow.scene.resolution import describe, load_working_scene
 
     scene, resolution = load_working_scene(params, paths)  # the size (and masks) training used
