@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 # Small enough for seconds per stage; not a quality check (bench/ measures quality with the default params).
 FAST = {
     "train": {"max_steps": 150, "progress": False},
-    "prune": {"phases": 1, "finetune_steps": 20, "progress": False},
+    "prune": {"phases": 1, "finetune_steps": 20, "score_rounds": 1, "val_views": 2, "progress": False},
     "evaluate": {"lpips_variants": [], "save_renders": False},
 }
 
