@@ -38,7 +38,6 @@ import hashlib
 import json
 import math
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -417,7 +416,6 @@ class StageTracker:
         self.stage, self.scene, self.root, self.params = stage, scene, root, params
         self.client, self.run_id, self.owns_status = cl, run_id, owns_status
         self.result: dict | None = None
-        self._killed = False
 
     @property
     def active(self) -> bool:
@@ -558,52 +556,47 @@ def stage_tracking(stage: str, scene: str, params: Any = None, paths: Any = None
     A failure to reach the tracking store is a warning, never a stage failure.
     """
     global _ACTIVE
+    from splatflow import stop
+
     root = Path(getattr(paths, "root", None) or repo_root()).resolve()
-    if not enabled():
-        tracker = StageTracker(stage, scene, root, params)
-        _ACTIVE = tracker
-        try:
-            yield tracker
-        finally:
-            _ACTIVE = None
-        return
+    # This process's one SIGTERM owner (splatflow.stop), installed before anything that may take a while, so a
+    # SIGTERM while the run is being opened is recorded too; opening is not interrupted half-way.
+    prev_handler = stop.install()
     try:
-        tracker = _open_run(stage, scene, root, params)
+        with stop.cooperative():
+            tracker = _open_run(stage, scene, root, params) if enabled() else StageTracker(stage, scene, root, params)
     except Exception as e:  # noqa: BLE001 - tracking must not stop the pipeline
         warnings.warn(f"splatflow tracking disabled for this stage: cannot reach {tracking_uri(root)}: {e}",
                       stacklevel=2)
         tracker = StageTracker(stage, scene, root, params)
-
-    def on_sigterm(signum, frame):  # noqa: ARG001
-        tracker._killed = True
-        tracker.terminate("KILLED")
-        raise SystemExit(128 + signum)
-
-    prev_handler = None
-    if threading.current_thread() is threading.main_thread():
-        prev_handler = signal.signal(signal.SIGTERM, on_sigterm)
     _ACTIVE = tracker
     try:
+        stop.raise_if_requested("before the stage started")
         yield tracker
     except BaseException as e:
-        if not tracker._killed and tracker.active:
-            if isinstance(e, KeyboardInterrupt) or (isinstance(e, SystemExit) and e.code == 128 + signal.SIGTERM):
-                tracker.terminate("KILLED")
-            elif isinstance(e, SystemExit) and e.code in (0, None):
-                tracker.finish_success()
-            else:
-                tracker._safe(_log_batch, tracker.client, tracker.run_id,
-                              tags={f"splatflow.stage.{stage}": "failed",
-                                    "splatflow.error": f"{stage}: {type(e).__name__}: {e}"[:4000]})
-                tracker.terminate("FAILED")
+        with stop.cooperative():  # the status must be written whole, also when a second SIGTERM comes
+            if tracker.active:
+                if isinstance(e, (KeyboardInterrupt, stop.StageStopped)) or (
+                        isinstance(e, SystemExit) and e.code == stop.STOP_EXIT_CODE):
+                    tracker._safe(_log_batch, tracker.client, tracker.run_id,
+                                  tags={f"splatflow.stage.{stage}": "stopped"})
+                    tracker.terminate("KILLED")
+                elif isinstance(e, SystemExit) and e.code in (0, None):
+                    tracker.finish_success()
+                else:
+                    tracker._safe(_log_batch, tracker.client, tracker.run_id,
+                                  tags={f"splatflow.stage.{stage}": "failed",
+                                        "splatflow.error": f"{stage}: {type(e).__name__}: {e}"[:4000]})
+                    tracker.terminate("FAILED")
         raise
     else:
-        tracker.finish_success()
+        with stop.cooperative():  # the work is done: finish recording it even if SIGTERM comes now
+            tracker.finish_success()
     finally:
         _ACTIVE = None
-        flush_all()
-        if prev_handler is not None:
-            signal.signal(signal.SIGTERM, prev_handler)
+        with stop.cooperative():
+            flush_all()
+        stop.restore(prev_handler)
 
 
 def finalize_scene_run(cl, run_id: str, root: Path, scene: str, stages: Iterable[str], status: str) -> None:

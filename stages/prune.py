@@ -23,6 +23,8 @@ def run(params: Params, paths: ScenePaths) -> dict:
     logger = _step_logger()
 
     def log_phase(record: dict, splats: dict) -> None:  # one MLflow step per phase: the size/quality curve
+        print(f"prune [{paths.scene}]: phase {record['phase']}: {record['gaussians']} Gaussians, validation PSNR "
+              f"{record['val_psnr']:.2f} dB ({'accepted' if record['accepted'] else 'rejected'})", flush=True)
         if logger is not None:
             logger.log(record["phase"], {"gaussians": record["gaussians"], "val_psnr": record["val_psnr"],
                                          "keep_fraction": record["keep_fraction"]})
