@@ -4,7 +4,8 @@ Each stage must exit 143 (stopped, not failed: DVC records nothing, Prefect sees
 KILLED (not FAILED, not left RUNNING), and partial work must be kept where the stage has any (train's checkpoint).
 train and prune are stopped in the middle of their real work (prune after it imported pycolmap lazily, whose glog
 handler used to take SIGTERM away from Python); the stages that take a fraction of a second on this scene are held
-open with ``SPLATFLOW_STAGE_HOLD_S`` and stopped at that known moment.
+open with ``SPLATFLOW_STAGE_HOLD_S`` and stopped at that known moment. (Items kept: train's checkpoint, prune's
+finished phases.)
 """
 
 from __future__ import annotations
@@ -144,10 +145,18 @@ def test_sigterm_during_prune_reaches_python_after_pycolmap_loaded(proj):
     from tests._project import run
 
     run([sys.executable, "-m", "stages.train", SCENE], proj, env=_env(proj))  # a finished model to prune
+    import torch
+
+    phases = proj / "models" / SCENE / "prune" / "phases.pt"
     st = Stage(proj, "prune")
     st.wait_for("phase 1:")  # the work is under way; pycolmap (imported lazily by the dataset loader) is loaded
+    t0 = time.monotonic()
+    while not phases.exists():  # phase 1 is saved right after its line
+        assert st.proc.poll() is None and time.monotonic() - t0 < 120, st.text
+        time.sleep(0.05)
     _assert_stopped(proj, "prune", st, st.stop())
     assert not (proj / "metrics" / SCENE / "prune.json").exists()
+    assert torch.load(phases, weights_only=False)["next_phase"] >= 2  # the finished phases are kept
 
 
 @pytest.mark.parametrize("stage", ["evaluate", "export"])
