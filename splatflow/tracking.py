@@ -198,6 +198,32 @@ def dvc_lock_tags(root: Path, scene: str) -> dict[str, str]:
     return tags
 
 
+def dvc_exp_tags(root: Path, params: Any = None) -> dict[str, str]:
+    """Under ``dvc exp run`` (DVC sets ``DVC_EXP_NAME``/``DVC_EXP_BASELINE_REV`` for every stage): the
+    experiment's name, its baseline commit and its param overrides (``train.max_steps=2000``: every key whose
+    value differs from params.yaml at the baseline), so the run shows which experiment it is. {} otherwise."""
+    name = os.environ.get("DVC_EXP_NAME", "").strip()
+    if not name:
+        return {}
+    tags = {"dvc.exp.name": name}
+    base = os.environ.get("DVC_EXP_BASELINE_REV", "").strip()
+    if base:
+        tags["dvc.exp.baseline"] = base
+    if params is not None:
+        with contextlib.suppress(Exception):  # best effort: the tag is information, not provenance
+            import yaml
+
+            from splatflow.config import params_from_dict
+
+            text = _git(root, "show", f"{base or 'HEAD'}:params.yaml")
+            if text is not None:
+                before = flatten_params(params_from_dict(yaml.safe_load(text)))
+                now = flatten_params(params)
+                changed = sorted(k for k in now if before.get(k) != now[k])
+                tags["splatflow.overrides"] = ",".join(f"{k}={now[k]}" for k in changed)
+    return tags
+
+
 def _process_tags(pid: int | None = None) -> dict[str, str]:
     import psutil
 
@@ -519,11 +545,13 @@ def create_scene_run(cl, scene: str, root: Path, params: Any = None, *, uri: str
     so the run has every stage's final metrics even when DVC skips the unchanged stages.
     """
     exp = experiment_id(cl, uri=uri)
+    exp_tags = dvc_exp_tags(root, params)
     all_tags = {"splatflow.scene": scene, **git_tags(root), **dvc_lock_tags(root, scene),
-                **_process_tags(owner_pid), **(tags or {})}
+                **_process_tags(owner_pid), **exp_tags, **(tags or {})}
     if parent_run_id:
         all_tags["mlflow.parentRunId"] = parent_run_id
-    name = run_name or f"{scene}-{time.strftime('%Y%m%d-%H%M%S')}"
+    name = run_name or (f"{scene}-{exp_tags['dvc.exp.name']}" if exp_tags else
+                        f"{scene}-{time.strftime('%Y%m%d-%H%M%S')}")
     run = cl.create_run(exp, run_name=name, tags=all_tags)
     run_id = run.info.run_id
     if params is not None:  # every section: the run stands for the whole pipeline state, run or skipped
