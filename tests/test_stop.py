@@ -159,8 +159,8 @@ def test_sigterm_during_prune_reaches_python_after_pycolmap_loaded(proj):
     assert torch.load(phases, weights_only=False)["next_phase"] >= 2  # the finished phases are kept
 
 
-@pytest.mark.parametrize("stage", ["evaluate", "export"])
-def test_sigterm_stops_evaluate_and_export_killed(proj, stage):
+@pytest.mark.parametrize("stage", ["evaluate", "export", "report"])
+def test_sigterm_stops_evaluate_export_and_report_killed(proj, stage):
     if not (proj / "models" / SCENE / "prune" / "ckpt.pt").exists():
         from tests._project import run
 
