@@ -131,5 +131,13 @@ def stage_main(stage: str, run: RunFn, argv: list[str] | None = None, *, needs_t
     except stop.StageStopped as e:
         print(f"\nsplatflow {stage} [{args.scene}] stopped: {e}", file=sys.stderr)
         raise SystemExit(stop.STOP_EXIT_CODE) from None
+    except Exception as e:
+        if not stop.requested():
+            raise
+        # The stop was raised inside a callback from native code (numba's dispatcher, for one), which wrapped it
+        # in an error of its own: it is still the stop, not a failure.
+        print(f"\nsplatflow {stage} [{args.scene}] stopped: stopped by SIGTERM (surfaced as {type(e).__name__})",
+              file=sys.stderr)
+        raise SystemExit(stop.STOP_EXIT_CODE) from None
     print(f"splatflow {stage} [{args.scene}]: done in {time.perf_counter() - t0:.1f} s "
           f"-> {paths.metrics_json(stage)}")

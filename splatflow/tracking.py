@@ -605,7 +605,10 @@ def stage_tracking(stage: str, scene: str, params: Any = None, paths: Any = None
         with stop.cooperative():  # the status must be written whole, also when a second SIGTERM comes
             if tracker.active:
                 if isinstance(e, (KeyboardInterrupt, stop.StageStopped)) or (
-                        isinstance(e, SystemExit) and e.code == stop.STOP_EXIT_CODE):
+                        isinstance(e, SystemExit) and e.code == stop.STOP_EXIT_CODE) or (
+                        stop.requested() and not (isinstance(e, SystemExit) and e.code in (0, None))):
+                    # (the last: a stop raised inside a callback from native code, e.g. numba's, reaches us
+                    # wrapped in another exception; it is still the stop)
                     tracker._safe(_log_batch, tracker.client, tracker.run_id,
                                   tags={f"splatflow.stage.{stage}": "stopped"})
                     tracker.terminate("KILLED")
