@@ -136,18 +136,37 @@ def test_stage_deps_list_every_imported_library_module(stage):
 # ------------------------------------------------------------------------------------------------- params
 
 
-def params_read(stage_file: Path) -> set[str]:
-    """Params sections a stage module reads: ``params.<section>[.<key>]`` attribute chains, plus
-    ``params.scene(...)``, which reads ``base.scenes.<scene>``. Using ``params`` whole in any other way (passing
-    it on) is reported as ``*``: the test cannot tell what is read then."""
+#: Accessor methods of the params dataclasses and the keys each reads (splatflow/config.py).
+ACCESSORS = {"scene": {"base.scenes"}, "base.scene_resolution": {"base.resolution", "base.scenes"}}
+
+
+def _imported_function(tree: ast.Module, name: str) -> tuple[ast.FunctionDef, Path] | None:
+    """The definition of ``name`` when the module imports it from a splatflow module (``from m import name``)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("splatflow") and \
+                any(a.name == name and a.asname is None for a in node.names):
+            f = _module_file(node.module)
+            if f is None:
+                return None
+            for d in ast.parse(f.read_text()).body:
+                if isinstance(d, ast.FunctionDef) and d.name == name:
+                    return d, f
+    return None
+
+
+def params_read(stage_file: Path, root: ast.AST | None = None, var: str = "params", depth: int = 0) -> set[str]:
+    """Params sections a stage module reads: ``params.<section>[.<key>]`` attribute chains, the accessors in
+    ``ACCESSORS``, and the reads of splatflow functions ``params`` is passed to whole (followed into their
+    source). Passing it on any other way is reported as ``*``: the test cannot tell what is read then."""
     tree = ast.parse(stage_file.read_text())
+    root = root or tree
     reads: set[str] = set()
     parents = {}
-    for node in ast.walk(tree):
+    for node in ast.walk(root):
         for child in ast.iter_child_nodes(node):
             parents[child] = node
-    for node in ast.walk(tree):
-        if not (isinstance(node, ast.Name) and node.id == "params" and isinstance(node.ctx, ast.Load)):
+    for node in ast.walk(root):
+        if not (isinstance(node, ast.Name) and node.id == var and isinstance(node.ctx, ast.Load)):
             continue
         chain, cur = [], node
         while isinstance(parents.get(cur), ast.Attribute):
@@ -158,9 +177,17 @@ def params_read(stage_file: Path) -> set[str]:
             # `source_path(params, paths)`: a helper in the same module, whose own reads are counted where they are
             if isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and _local_function(tree, call.func.id):
                 continue
-            reads.add("*")
-        elif chain[0] == "scene":
-            reads.add("base.scenes")
+            found = _imported_function(tree, call.func.id) if isinstance(call, ast.Call) and \
+                isinstance(call.func, ast.Name) and node in call.args and depth < 3 else None
+            if found is None:
+                reads.add("*")
+                continue
+            fn, fn_file = found
+            pos = call.args.index(node)
+            arg = fn.args.args[pos].arg if pos < len(fn.args.args) else None
+            reads |= params_read(fn_file, fn, arg, depth + 1) if arg else {"*"}
+        elif chain[0] in ACCESSORS or ".".join(chain[:2]) in ACCESSORS:
+            reads |= ACCESSORS.get(chain[0]) or ACCESSORS[".".join(chain[:2])]
         else:  # `params.train` -> train; `params.prune.max_psnr_drop_db` -> that key (dvc.yaml may name one key)
             reads.add(".".join(chain[:2]))
     return reads
