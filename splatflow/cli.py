@@ -138,8 +138,11 @@ def add_scene(
 def run(
     scene: Optional[str] = typer.Argument(None, help="scene to run (default: every scene in params.yaml)"),
     force: bool = typer.Option(False, help="rerun stages even if DVC finds them up to date"),
+    wait: bool = typer.Option(True, "--wait/--no-wait",
+                              help="when another run reproduces in this checkout: wait for it (default) or stop "
+                                   "at once with exit status 3"),
 ):
-    """Run the pipeline with DVC (only what changed reruns)."""
+    """Run the pipeline with DVC (only what changed reruns). One writer per checkout: a second run waits."""
     root = _root()
     try:
         params = load_params(root / "params.yaml")
@@ -152,8 +155,18 @@ def run(
 
     targets = [t for s in scenes for t in stage_order(root, s)]
     cmd = [_dvc(), "repro", *targets] + (["--force"] if force else [])
-    typer.echo("$ " + " ".join(["dvc", *cmd[1:]]))
-    rc = subprocess.call(cmd, cwd=root, env=stage_env())
+    from splatflow.orchestrate.workspace import WorkspaceBusy, workspace_lock
+
+    def tell(msg: str) -> None:
+        typer.secho(f"waiting: {msg} (Ctrl-C to give up)", fg=typer.colors.YELLOW, err=True)
+
+    try:
+        with workspace_lock(root, wait_s=None if wait else 0, on_wait=tell):
+            typer.echo("$ " + " ".join(["dvc", *cmd[1:]]))
+            rc = subprocess.call(cmd, cwd=root, env=stage_env())
+    except WorkspaceBusy as e:
+        typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(3) from None
     if rc != 0:
         raise typer.Exit(rc)
     for s in scenes:

@@ -69,6 +69,11 @@ class ScenePaths:
         return self.models_dir / "prune" / "ckpt.pt"
 
     @property
+    def prune_phases(self) -> Path:
+        """The state after the last finished prune phase (not a DVC out: a rerun continues from it)."""
+        return self.models_dir / "prune" / "phases.pt"
+
+    @property
     def export_dir(self) -> Path:
         return self.models_dir / "export"
 

@@ -273,7 +273,8 @@ def prune_phases(splats: dict[str, torch.Tensor], sh_degree: int, *, score_camer
                  finetune_growth: float = 0.0, score: str = "significance", score_rounds: int = 1,
                  score_targets: Sequence[torch.Tensor] | None = None, beta: float = 0.1,
                  ref_quantile: float = 0.1, backend: str = "auto", progress: bool = True,
-                 phase_callback: Callable[[dict, dict], None] | None = None) -> PruneResult:
+                 phase_callback: Callable[[dict, dict], None] | None = None, resume: dict | None = None,
+                 on_accepted: Callable[[dict], None] | None = None) -> PruneResult:
     """Prune ``splats`` in phases down to ``keep_fractions`` (of the ORIGINAL count), recovering after each.
 
     Each phase: score the current model on ``score_cameras`` (training views; ``score`` is "significance" or
@@ -285,6 +286,10 @@ def prune_phases(splats: dict[str, torch.Tensor], sh_degree: int, *, score_camer
     ``phase_callback(record, splats)`` is called after every phase (accepted or not), e.g. for the benchmark's
     test-view PSNR.
 
+    ``on_accepted(state)`` receives, after each accepted phase, everything needed to continue after it; passing
+    such a ``state`` back as ``resume`` (same inputs) skips the phases it finished, so a killed run loses at most
+    one phase (the recovery fine-tune is seeded, so the result is the same as without the interruption).
+
     Returns the splats and a report with the keys of ``metrics/S/prune.json``.
     """
     if score not in SCORES:
@@ -295,19 +300,30 @@ def prune_phases(splats: dict[str, torch.Tensor], sh_degree: int, *, score_camer
     if n0 == 0:
         raise UserError("the trained checkpoint holds no Gaussians; rerun the train stage")
     current = {k: splats[k].detach().clone() for k in SPLAT_KEYS}
-    psnr_before = mean_psnr(current, sh_degree, val_cameras, val_targets, backend)
+    first_phase = 1
+    if resume is not None:
+        import copy
+
+        current = {k: resume["splats"][k].to(splats[k].device) for k in SPLAT_KEYS}
+        report = copy.deepcopy(resume["report"])
+        psnr_before, accepted_psnr = report["val_psnr_before"], resume["accepted_psnr"]
+        first_phase = int(resume["next_phase"])
+    else:
+        psnr_before = mean_psnr(current, sh_degree, val_cameras, val_targets, backend)
+        report: dict = {
+            "gaussians_before": n0,
+            "size_mb_before": round(splats_size_mb(current), 4),
+            "val_psnr_before": psnr_before,
+            "phases": [],
+            "stopped_early": False,
+            "stop_reason": None,
+        }
+        accepted_psnr = psnr_before
     floor_db = psnr_before - max_psnr_drop_db
-    report: dict = {
-        "gaussians_before": n0,
-        "size_mb_before": round(splats_size_mb(current), 4),
-        "val_psnr_before": psnr_before,
-        "phases": [],
-        "stopped_early": False,
-        "stop_reason": None,
-    }
-    accepted_psnr = psnr_before
     bar = tqdm(list(enumerate(keep_fractions, start=1)), desc="prune phases", disable=not progress)
     for phase, frac in bar:
+        if phase < first_phase:  # finished by the run this one resumes
+            continue
         t0 = time.perf_counter()
         n_keep = max(1, int(round(frac * n0)))
         n_cur = current["means"].shape[0]
@@ -341,6 +357,8 @@ def prune_phases(splats: dict[str, torch.Tensor], sh_degree: int, *, score_camer
                                      f"kept phase {phase - 1}")
             break
         current, accepted_psnr = candidate, val
+        if on_accepted is not None:
+            on_accepted({"splats": current, "report": report, "accepted_psnr": val, "next_phase": phase + 1})
     bar.close()
     report.update({
         "gaussians_after": int(current["means"].shape[0]),
@@ -381,13 +399,18 @@ class CachedImages(abc.Sequence):
 
 
 def run_prune(cfg, train_cfg, *, train_ckpt, out_ckpt, undistorted_dir=None, split_json=None, scene=None,
-              seed: int = 0, phase_callback: Callable[[dict, dict], None] | None = None) -> dict:
+              seed: int = 0, phase_callback: Callable[[dict, dict], None] | None = None,
+              phases_ckpt=None) -> dict:
     """The prune stage's work: read the trained checkpoint, prune (or copy), write ``out_ckpt``, return metrics.
 
     ``cfg`` is :class:`splatflow.config.PruneConfig`; ``train_cfg`` the :class:`TrainConfig` whose learning rates
     and loss the recovery fine-tune (:func:`splatflow.train.finetune`) reuses. ``scene`` (a ``SceneData``) may
     be given instead of ``undistorted_dir``/``split_json``. The written checkpoint holds ``splats``,
     ``sh_degree`` and the training ``step`` only (no optimizer state).
+
+    ``phases_ckpt`` (optional path): the state after each accepted phase is written there, and a run with the same
+    inputs (trained checkpoint, split, prune/train params, seed) continues after the last phase found there; the
+    file is removed once ``out_ckpt`` is written.
     """
     from splatflow import device as devices
     from splatflow.model import load_checkpoint, save_checkpoint
@@ -424,13 +447,19 @@ def run_prune(cfg, train_cfg, *, train_ckpt, out_ckpt, undistorted_dir=None, spl
         score_cams = cameras_at(scene.train_views, cfg.score_factor)
         score_targets = (CachedImages(scene.train_views, cfg.score_factor, train_cfg.image_cache_mb)
                          if cfg.score == "removal" else None)
+        resume, key = None, None
+        if phases_ckpt is not None:
+            key = phases_key(train_ckpt, split_json, cfg, train_cfg, seed)
+            resume = load_phases(phases_ckpt, key)
         result = prune_phases(
             splats, sh_degree, score_cameras=score_cams, val_cameras=val_cams, val_targets=val_targets,
             keep_fractions=schedule, finetune=recover, finetune_steps=cfg.finetune_steps,
             max_psnr_drop_db=cfg.max_psnr_drop_db, finetune_growth=cfg.finetune_growth, score=cfg.score,
             score_rounds=cfg.score_rounds, score_targets=score_targets, beta=cfg.volume_beta,
             ref_quantile=cfg.volume_ref_quantile, backend=cfg.backend, progress=cfg.progress,
-            phase_callback=phase_callback)
+            phase_callback=phase_callback, resume=resume,
+            on_accepted=None if phases_ckpt is None else lambda state: save_phases(phases_ckpt, key, state))
+        result.report["resumed_after_phase"] = None if resume is None else int(resume["next_phase"]) - 1
 
     save_checkpoint(out_ckpt, {"splats": {k: result.splats[k].float().contiguous() for k in SPLAT_KEYS},
                                "sh_degree": sh_degree, "step": int(ckpt.get("step", 0))})
@@ -441,6 +470,12 @@ def run_prune(cfg, train_cfg, *, train_ckpt, out_ckpt, undistorted_dir=None, spl
     metrics.update({"keep_fraction_final": r["gaussians_after"] / max(1, r["gaussians_before"]),
                     "val_views": len(val_cams), "val_factor": cfg.val_factor, "sh_degree": sh_degree,
                     "device": devices.run_record(run_dev)})
+    if r.get("resumed_after_phase") is not None:
+        metrics["resumed_after_phase"] = r["resumed_after_phase"]
+    if phases_ckpt is not None:
+        from pathlib import Path
+
+        Path(phases_ckpt).unlink(missing_ok=True)  # the result is written: nothing left to resume
     return metrics
 
 
@@ -457,3 +492,60 @@ def _checked_splats(ckpt: dict, path) -> tuple[dict[str, torch.Tensor], int]:
         raise UserError(f"{path}: inconsistent or non-finite Gaussian parameters ({', '.join(bad) or 'NaN/Inf'}); "
                         "rerun the train stage")
     return splats, int(ckpt.get("sh_degree", 0))
+
+
+# --------------------------------------------------------------------------------------------- phase checkpoints
+
+
+def phases_key(train_ckpt, split_json, cfg, train_cfg, seed: int) -> str:
+    """Digest of everything a phase's result depends on: a saved phase is only reused for the same inputs."""
+    import hashlib
+    import json
+    from pathlib import Path
+
+    from splatflow.config import section_dict
+
+    h = hashlib.sha256()
+    for f in (train_ckpt, split_json):
+        if f is not None and Path(f).exists():
+            with open(f, "rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(chunk)
+    quiet = {"progress", "log_every", "checkpoint_every", "resume"}  # cannot change a result
+    settings = {"prune": {k: v for k, v in section_dict(cfg).items() if k not in quiet},
+                "train": {k: v for k, v in section_dict(train_cfg).items() if k not in quiet}, "seed": seed}
+    h.update(json.dumps(settings, sort_keys=True, default=str).encode())
+    return h.hexdigest()[:32]
+
+
+def save_phases(path, key: str, state: dict) -> None:
+    """Write the state after a finished phase; a SIGTERM meanwhile waits for the write, then stops the run."""
+    from splatflow import stop
+    from splatflow.model import save_checkpoint
+
+    with stop.cooperative():
+        save_checkpoint(path, {"key": key, "splats": {k: state["splats"][k].detach().float().cpu().contiguous()
+                                                      for k in SPLAT_KEYS},
+                               "report": state["report"], "accepted_psnr": state["accepted_psnr"],
+                               "next_phase": state["next_phase"]})
+    stop.raise_if_requested(f"after saving prune phase {state['next_phase'] - 1} to {path}")
+
+
+def load_phases(path, key: str) -> dict | None:
+    """The saved state after the last finished phase, or None (absent, unreadable, or other inputs)."""
+    import logging
+    from pathlib import Path
+
+    log = logging.getLogger("splatflow.prune")
+    if not Path(path).exists():
+        return None
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # noqa: BLE001 - a damaged file only costs the phases it held
+        log.warning("%s: not resuming pruning (unreadable: %s)", path, e)
+        return None
+    if state.get("key") != key:
+        log.info("%s: not resuming pruning (written for other inputs or params)", path)
+        return None
+    log.info("%s: resuming pruning after phase %d", path, int(state["next_phase"]) - 1)
+    return state

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from splatflow import stop
 from splatflow.config import ConfigError, Params, load_params
 from splatflow.errors import UserError
 from splatflow.paths import ScenePaths
@@ -78,8 +79,26 @@ def _tracking(stage: str, scene: str, params: Params, paths: ScenePaths):
     return tracking.stage_tracking(stage, scene, params, paths)
 
 
+def _drill_hold(stage: str, scene: str) -> None:
+    """``SPLATFLOW_STAGE_HOLD_S=<seconds>``: wait that long with the run open, before the work starts.
+
+    For stop drills and their tests: stages that take a fraction of a second on a small scene can then be stopped
+    at a known moment (the stage shell, its run and its SIGTERM owner are all in place). Unset in normal runs.
+    """
+    hold = os.environ.get("SPLATFLOW_STAGE_HOLD_S", "").strip()
+    if hold:
+        print(f"splatflow {stage} [{scene}]: holding {float(hold):g} s before the work (SPLATFLOW_STAGE_HOLD_S)",
+              flush=True)
+        time.sleep(float(hold))
+
+
 def stage_main(stage: str, run: RunFn, argv: list[str] | None = None, *, needs_threads: bool = True) -> None:
-    """Entry point shared by ``python -m stages.<stage> <scene>``."""
+    """Entry point shared by ``python -m stages.<stage> <scene>``.
+
+    Exit status: 0 done, 2 a bad input or setting (the message says which and how to fix it), 143 stopped by
+    SIGTERM (partial work kept where the stage has any, e.g. train's checkpoint; rerun to continue), 1 a bug.
+    """
+    stop.install()  # SIGTERM from here on is a clean stop (exit 143), also while numba/torch load
     parser = argparse.ArgumentParser(prog=f"python -m stages.{stage}", description=f"splatflow {stage} stage")
     parser.add_argument("scene", help="scene name (a key of base.scenes in params.yaml)")
     parser.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
@@ -99,6 +118,7 @@ def stage_main(stage: str, run: RunFn, argv: list[str] | None = None, *, needs_t
     t0 = time.perf_counter()
     try:
         with _tracking(stage, args.scene, params, paths) as tracker:
+            _drill_hold(stage, args.scene)
             metrics = run(params, paths)
             metrics = dict(metrics or {})
             metrics.setdefault("stage_seconds", round(time.perf_counter() - t0, 3))
@@ -108,5 +128,16 @@ def stage_main(stage: str, run: RunFn, argv: list[str] | None = None, *, needs_t
     except (UserError, ConfigError) as e:
         print(f"\nsplatflow {stage} [{args.scene}] failed: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    except stop.StageStopped as e:
+        print(f"\nsplatflow {stage} [{args.scene}] stopped: {e}", file=sys.stderr)
+        raise SystemExit(stop.STOP_EXIT_CODE) from None
+    except Exception as e:
+        if not stop.requested():
+            raise
+        # The stop was raised inside a callback from native code (numba's dispatcher, for one), which wrapped it
+        # in an error of its own: it is still the stop, not a failure.
+        print(f"\nsplatflow {stage} [{args.scene}] stopped: stopped by SIGTERM (surfaced as {type(e).__name__})",
+              file=sys.stderr)
+        raise SystemExit(stop.STOP_EXIT_CODE) from None
     print(f"splatflow {stage} [{args.scene}]: done in {time.perf_counter() - t0:.1f} s "
           f"-> {paths.metrics_json(stage)}")

@@ -38,7 +38,6 @@ import hashlib
 import json
 import math
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -196,6 +195,32 @@ def dvc_lock_tags(root: Path, scene: str) -> dict[str, str]:
             continue
         digest = hashlib.sha1(json.dumps(entry, sort_keys=True, default=str).encode()).hexdigest()[:16]
         tags[f"dvc.hash.{base}"] = digest
+    return tags
+
+
+def dvc_exp_tags(root: Path, params: Any = None) -> dict[str, str]:
+    """Under ``dvc exp run`` (DVC sets ``DVC_EXP_NAME``/``DVC_EXP_BASELINE_REV`` for every stage): the
+    experiment's name, its baseline commit and its param overrides (``train.max_steps=2000``: every key whose
+    value differs from params.yaml at the baseline), so the run shows which experiment it is. {} otherwise."""
+    name = os.environ.get("DVC_EXP_NAME", "").strip()
+    if not name:
+        return {}
+    tags = {"dvc.exp.name": name}
+    base = os.environ.get("DVC_EXP_BASELINE_REV", "").strip()
+    if base:
+        tags["dvc.exp.baseline"] = base
+    if params is not None:
+        with contextlib.suppress(Exception):  # best effort: the tag is information, not provenance
+            import yaml
+
+            from splatflow.config import params_from_dict
+
+            text = _git(root, "show", f"{base or 'HEAD'}:params.yaml")
+            if text is not None:
+                before = flatten_params(params_from_dict(yaml.safe_load(text)))
+                now = flatten_params(params)
+                changed = sorted(k for k in now if before.get(k) != now[k])
+                tags["splatflow.overrides"] = ",".join(f"{k}={now[k]}" for k in changed)
     return tags
 
 
@@ -417,7 +442,6 @@ class StageTracker:
         self.stage, self.scene, self.root, self.params = stage, scene, root, params
         self.client, self.run_id, self.owns_status = cl, run_id, owns_status
         self.result: dict | None = None
-        self._killed = False
 
     @property
     def active(self) -> bool:
@@ -521,11 +545,13 @@ def create_scene_run(cl, scene: str, root: Path, params: Any = None, *, uri: str
     so the run has every stage's final metrics even when DVC skips the unchanged stages.
     """
     exp = experiment_id(cl, uri=uri)
+    exp_tags = dvc_exp_tags(root, params)
     all_tags = {"splatflow.scene": scene, **git_tags(root), **dvc_lock_tags(root, scene),
-                **_process_tags(owner_pid), **(tags or {})}
+                **_process_tags(owner_pid), **exp_tags, **(tags or {})}
     if parent_run_id:
         all_tags["mlflow.parentRunId"] = parent_run_id
-    name = run_name or f"{scene}-{time.strftime('%Y%m%d-%H%M%S')}"
+    name = run_name or (f"{scene}-{exp_tags['dvc.exp.name']}" if exp_tags else
+                        f"{scene}-{time.strftime('%Y%m%d-%H%M%S')}")
     run = cl.create_run(exp, run_name=name, tags=all_tags)
     run_id = run.info.run_id
     if params is not None:  # every section: the run stands for the whole pipeline state, run or skipped
@@ -558,52 +584,50 @@ def stage_tracking(stage: str, scene: str, params: Any = None, paths: Any = None
     A failure to reach the tracking store is a warning, never a stage failure.
     """
     global _ACTIVE
+    from splatflow import stop
+
     root = Path(getattr(paths, "root", None) or repo_root()).resolve()
-    if not enabled():
-        tracker = StageTracker(stage, scene, root, params)
-        _ACTIVE = tracker
-        try:
-            yield tracker
-        finally:
-            _ACTIVE = None
-        return
+    # This process's one SIGTERM owner (splatflow.stop), installed before anything that may take a while, so a
+    # SIGTERM while the run is being opened is recorded too; opening is not interrupted half-way.
+    prev_handler = stop.install()
     try:
-        tracker = _open_run(stage, scene, root, params)
+        with stop.cooperative():
+            tracker = _open_run(stage, scene, root, params) if enabled() else StageTracker(stage, scene, root, params)
     except Exception as e:  # noqa: BLE001 - tracking must not stop the pipeline
         warnings.warn(f"splatflow tracking disabled for this stage: cannot reach {tracking_uri(root)}: {e}",
                       stacklevel=2)
         tracker = StageTracker(stage, scene, root, params)
-
-    def on_sigterm(signum, frame):  # noqa: ARG001
-        tracker._killed = True
-        tracker.terminate("KILLED")
-        raise SystemExit(128 + signum)
-
-    prev_handler = None
-    if threading.current_thread() is threading.main_thread():
-        prev_handler = signal.signal(signal.SIGTERM, on_sigterm)
     _ACTIVE = tracker
     try:
+        stop.raise_if_requested("before the stage started")
         yield tracker
     except BaseException as e:
-        if not tracker._killed and tracker.active:
-            if isinstance(e, KeyboardInterrupt) or (isinstance(e, SystemExit) and e.code == 128 + signal.SIGTERM):
-                tracker.terminate("KILLED")
-            elif isinstance(e, SystemExit) and e.code in (0, None):
-                tracker.finish_success()
-            else:
-                tracker._safe(_log_batch, tracker.client, tracker.run_id,
-                              tags={f"splatflow.stage.{stage}": "failed",
-                                    "splatflow.error": f"{stage}: {type(e).__name__}: {e}"[:4000]})
-                tracker.terminate("FAILED")
+        with stop.cooperative():  # the status must be written whole, also when a second SIGTERM comes
+            if tracker.active:
+                if isinstance(e, (KeyboardInterrupt, stop.StageStopped)) or (
+                        isinstance(e, SystemExit) and e.code == stop.STOP_EXIT_CODE) or (
+                        stop.requested() and not (isinstance(e, SystemExit) and e.code in (0, None))):
+                    # (the last: a stop raised inside a callback from native code, e.g. numba's, reaches us
+                    # wrapped in another exception; it is still the stop)
+                    tracker._safe(_log_batch, tracker.client, tracker.run_id,
+                                  tags={f"splatflow.stage.{stage}": "stopped"})
+                    tracker.terminate("KILLED")
+                elif isinstance(e, SystemExit) and e.code in (0, None):
+                    tracker.finish_success()
+                else:
+                    tracker._safe(_log_batch, tracker.client, tracker.run_id,
+                                  tags={f"splatflow.stage.{stage}": "failed",
+                                        "splatflow.error": f"{stage}: {type(e).__name__}: {e}"[:4000]})
+                    tracker.terminate("FAILED")
         raise
     else:
-        tracker.finish_success()
+        with stop.cooperative():  # the work is done: finish recording it even if SIGTERM comes now
+            tracker.finish_success()
     finally:
         _ACTIVE = None
-        flush_all()
-        if prev_handler is not None:
-            signal.signal(signal.SIGTERM, prev_handler)
+        with stop.cooperative():
+            flush_all()
+        stop.restore(prev_handler)
 
 
 def finalize_scene_run(cl, run_id: str, root: Path, scene: str, stages: Iterable[str], status: str) -> None:

@@ -46,8 +46,11 @@ def run(params: Params, paths: ScenePaths) -> dict:
     kept, n_in = len(result.kept), result.images_in
     print(f"ingest [{paths.scene}]: kept {kept} of {n_in} {'frames' if result.source_kind == 'video' else 'files'}"
           f" -> {paths.images_dir}")
-    for r in result.rejected:
-        print(f"  rejected {r.file}: {r.reason}: {r.detail}")
+    summary = result.summary_lines()
+    for line in summary:  # one line per reason; each file with its detail is in ingest.json
+        print(f"ingest [{paths.scene}]: {line}")
+    if summary:
+        print(f"ingest [{paths.scene}]: details per file: {paths.metrics_json('ingest')} (\"rejected\", \"ignored\")")
     metrics = result.metrics()
     metrics["source"] = params.scene(paths.scene).source  # as written in params.yaml: same on every clone
     if levels is not None:

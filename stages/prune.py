@@ -23,6 +23,8 @@ def run(params: Params, paths: ScenePaths) -> dict:
     logger = _step_logger()
 
     def log_phase(record: dict, splats: dict) -> None:  # one MLflow step per phase: the size/quality curve
+        print(f"prune [{paths.scene}]: phase {record['phase']}: {record['gaussians']} Gaussians, validation PSNR "
+              f"{record['val_psnr']:.2f} dB ({'accepted' if record['accepted'] else 'rejected'})", flush=True)
         if logger is not None:
             logger.log(record["phase"], {"gaussians": record["gaussians"], "val_psnr": record["val_psnr"],
                                          "keep_fraction": record["keep_fraction"]})
@@ -30,7 +32,10 @@ def run(params: Params, paths: ScenePaths) -> dict:
     try:
         metrics = run_prune(params.prune, params.train, train_ckpt=paths.train_ckpt, out_ckpt=paths.prune_ckpt,
                             scene=scene, split_json=paths.split_json, seed=params.base.seed,
-                            phase_callback=log_phase)
+                            phase_callback=log_phase, phases_ckpt=paths.prune_phases)
+        if metrics.get("resumed_after_phase") is not None:
+            print(f"prune [{paths.scene}]: continued after phase {metrics['resumed_after_phase']}, saved by an "
+                  f"interrupted run in {paths.prune_phases}")
         return {**metrics, "resolution": resolution}
     finally:
         if logger is not None:

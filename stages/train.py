@@ -13,6 +13,7 @@ from splatflow.config import Params
 from splatflow.errors import UserError
 from splatflow.paths import ScenePaths
 from splatflow.stage import stage_main
+from splatflow.stop import StageStopped
 
 
 def _step_logger():
@@ -40,9 +41,9 @@ def run(params: Params, paths: ScenePaths) -> dict:
     res = train(scene, cfg, ckpt_path=paths.train_ckpt, csv_path=paths.train_csv, seed=params.base.seed,
                 step_logger=_step_logger())
     if res.stopped.startswith("sigterm"):
-        # Not a finished stage: DVC must not record it. The checkpoint lets the next run resume.
-        raise SystemExit(f"splatflow train [{paths.scene}]: {res.stopped}; checkpoint saved to {paths.train_ckpt}, "
-                         "rerun the stage to resume")
+        # Not a finished stage: exit 143 so DVC records nothing and MLflow marks the run KILLED; the checkpoint
+        # lets the next run resume.
+        raise StageStopped(f"{res.stopped}; checkpoint saved to {paths.train_ckpt}, rerun the stage to resume")
     if res.stopped.startswith("nonfinite"):
         raise UserError(f"training diverged: {res.stopped}. The last good checkpoint is {paths.train_ckpt}; "
                         "lower train.lr.* (e.g. lr.means or lr.opacities) and rerun")

@@ -353,3 +353,50 @@ def test_stage_run_writes_images_and_returns_metrics(capture, tmp_path):
     assert all(sorted((paths.data_dir / f"images_{n}").iterdir()) == [] for n in (2, 4, 8))
     assert "levels" not in m
     assert np.array_equal(_decode(paths.images_dir / "01.png"), _decode(capture / "01.jpg"))  # lossless
+
+
+def _capture_with_everything(capture: Path, dst: Path) -> Path:
+    """The crafted capture plus a sub-folder, a black lens-cap frame and a white frame (noisy, as a sensor gives)."""
+    import shutil
+
+    shutil.copytree(capture, dst)
+    (dst / "extras").mkdir()
+    (dst / "extras" / "99.jpg").write_bytes((capture / "00.jpg").read_bytes())
+    rng = np.random.default_rng(0)
+    for name, level in (("12_cap.jpg", 4), ("13_white.jpg", 252)):
+        frame = np.clip(level + rng.normal(0, 3, (H, W, 3)), 0, 255).astype(np.uint8)  # [H, W, 3]
+        _save_jpg(dst / name, frame)
+    return dst
+
+
+def test_featureless_frames_rejected_with_their_reason(capture, tmp_path):
+    src = _capture_with_everything(capture, tmp_path / "cap")
+    result = ingest(src, tmp_path / "out", CFG, progress=False)
+    got = {r.file: r for r in result.rejected}
+    assert got["12_cap.jpg"].reason == "featureless" and got["13_white.jpg"].reason == "featureless"
+    assert "lens-cap" in got["12_cap.jpg"].detail and "uniform" in got["12_cap.jpg"].detail
+    # the textured views all pass the check, also the darkest crop of the pan
+    assert {f for f, r in got.items() if r.reason == "featureless"} == {"12_cap.jpg", "13_white.jpg"}
+    assert result.metrics()["rejected_by_reason"]["featureless"] == 2
+
+
+def test_stage_says_everything_it_left_out_one_line_per_reason(capture, tmp_path, capsys):
+    from stages.ingest import run
+
+    src = _capture_with_everything(capture, tmp_path / "cap")
+    params = params_from_dict({"base": {"scenes": {"s": {"source": str(src)}}}})
+    run(params, ScenePaths("s", tmp_path))
+    out = capsys.readouterr().out.splitlines()
+    lines = [ln for ln in out if ln.startswith("ingest [s]: ") and not ln.startswith("ingest [s]: kept")]
+    reasons = {*EXPECTED_REJECTIONS.values(), "featureless"}
+    rejected = [ln for ln in lines if ln.startswith("ingest [s]: rejected ")]
+    assert len(rejected) == len(reasons)  # one line per reason, not one per file
+    for reason in reasons:
+        n = 2 if reason == "featureless" else 1
+        line = next(ln for ln in rejected if ln.startswith(f"ingest [s]: rejected {n} {reason.replace('_', ' ')}:"))
+        assert "(fix: " in line
+    assert any(ln.startswith("ingest [s]: rejected 2 featureless: 12_cap.jpg, 13_white.jpg") for ln in rejected)
+    assert "ingest [s]: skipped 1 sub-folder (ingest reads only the files directly in" in "\n".join(lines)
+    assert any("extras/" in ln for ln in lines)
+    assert any(ln.startswith("ingest [s]: skipped 1 hidden file: .DS_Store") for ln in lines)
+    assert any("details per file" in ln and "ingest.json" in ln for ln in lines)

@@ -33,6 +33,8 @@ class StageFailed(RuntimeError):
     def __init__(self, stage: str, returncode: int, tail: str):
         self.stage, self.returncode, self.tail = stage, returncode, tail
         hint = " (bad input or setting: see the message above)" if returncode == 2 else ""
+        if returncode == 143 or "exited with 143" in tail:  # the stage's own status, as DVC reports it
+            hint = " (stopped by SIGTERM: partial work kept where the stage has any; rerun to continue)"
         super().__init__(f"stage {stage} failed with exit code {returncode}{hint}:\n{tail}")
 
 

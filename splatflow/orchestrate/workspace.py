@@ -11,8 +11,9 @@ an old commit -- gets its own **git worktree** (``git worktree add --detach``) u
   the main checkout when the worktree lacks them;
 * param overrides applied to the worktree's ``params.yaml`` (``{"train.max_steps": 100}``), never to the user's.
 
-Runs in the checkout itself (``inplace``) hold ``.splatflow/workspace.lock`` so two flows never reproduce in one
-workspace at the same time: the second waits.
+Runs in the checkout itself (``inplace`` flows and ``splatflow run``) hold ``.splatflow/workspace.lock`` so two never
+reproduce in one workspace at the same time: the second waits (or stops, when asked not to wait) with a message
+naming what holds the workspace; a plain ``dvc repro`` running there is waited for as well.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import subprocess
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import yaml
 
@@ -127,11 +128,89 @@ def worktree(main: str | Path, rev: str = "HEAD", *, name: str | None = None, ov
             _git(main, "worktree", "prune", check=False)
 
 
+class WorkspaceBusy(WorkspaceError):
+    """Another writer (a ``splatflow run``, an in-place flow or a plain ``dvc repro``) works in this checkout."""
+
+
+def _lock_path(root: Path) -> Path:
+    return Path(root) / ".splatflow" / "workspace.lock"
+
+
+def _holder(lock: Path) -> dict:
+    """What the lock's holder wrote about itself (pid, command, start time), or {} if nothing readable."""
+    import json
+
+    try:
+        return json.loads(lock.read_text() or "{}")
+    except (OSError, ValueError):
+        return {}
+
+
+def _describe(info: dict) -> str:
+    if not info.get("pid"):
+        return "another splatflow process"
+    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info.get("started", 0)))
+    return f"pid {info['pid']} (`{info.get('command', '?')}`, started {started})"
+
+
+def dvc_writers(root: str | Path) -> list[dict]:
+    """``dvc`` processes (other than this process's ancestors) whose working directory is ``root``: a plain
+    ``dvc repro`` started by hand. The worktrees of flows and batches have other directories."""
+    import psutil
+
+    from splatflow.tracking import _is_dvc_cmd
+
+    root = Path(root).resolve()
+    me = psutil.Process()
+    mine = {me.pid, *(p.pid for p in me.parents())}
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline", "create_time"]):
+        try:
+            cmd = proc.info["cmdline"] or []
+            if proc.pid in mine or not _is_dvc_cmd(cmd) or Path(proc.cwd()).resolve() != root:
+                continue
+            found.append({"pid": proc.pid, "command": " ".join(Path(cmd[0]).name if i == 0 else c
+                                                                  for i, c in enumerate(cmd))[:200],
+                          "started": proc.info["create_time"]})
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+def busy_message(root: str | Path, who: str) -> str:
+    return (f"{root} is busy: {who} is reproducing in this checkout, and two writers in one DVC workspace corrupt "
+            f"each other's outputs. Wait for it to finish (`splatflow run` waits by default), stop it (SIGTERM: its "
+            f"stage stops cleanly and reruns next time), or run elsewhere without waiting: "
+            f"`splatflow flow <scene> --worktree` works in a throw-away git worktree.")
+
+
 @contextlib.contextmanager
-def workspace_lock(root: str | Path, wait_s: float | None = None) -> Iterator[None]:
-    """Hold ``.splatflow/workspace.lock`` while reproducing in a checkout (released when the process dies)."""
-    lock = Path(root) / ".splatflow" / "workspace.lock"
+def workspace_lock(root: str | Path, wait_s: float | None = None,
+                   on_wait: Callable[[str], None] | None = None) -> Iterator[None]:
+    """Be this checkout's only writer while reproducing in it: hold ``.splatflow/workspace.lock`` (released when
+    the process dies, whatever the way) and wait until no plain ``dvc repro`` runs here either.
+
+    The holder writes its pid, command and start time into the lock file, so whoever waits can say what holds
+    the workspace. ``wait_s``: None waits as long as it takes, a number raises :class:`WorkspaceBusy` after that
+    many seconds (0: at once). ``on_wait(message)`` is called once when the wait starts (to tell the user).
+    """
+    import json
+    import sys
+
+    lock = _lock_path(Path(root))
     lock.parent.mkdir(parents=True, exist_ok=True)
+    told = False
+
+    def waiting(who: str, t0: float) -> None:
+        nonlocal told
+        msg = busy_message(root, who)
+        if wait_s is not None and time.monotonic() - t0 >= wait_s:
+            raise WorkspaceBusy(msg)
+        if not told and on_wait is not None:
+            on_wait(msg)
+        told = True
+        time.sleep(1.0)
+
     with open(lock, "a+") as fh:
         t0 = time.monotonic()
         while True:
@@ -139,10 +218,23 @@ def workspace_lock(root: str | Path, wait_s: float | None = None) -> Iterator[No
                 fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
-                if wait_s is not None and time.monotonic() - t0 > wait_s:
-                    raise WorkspaceError(f"{root} is busy: another splatflow run holds {lock}") from None
-                time.sleep(1.0)
+                waiting(_describe(_holder(lock)), t0)
         try:
+            fh.seek(0)
+            fh.truncate()
+            fh.write(json.dumps({"pid": os.getpid(), "command": " ".join(["splatflow" if "splatflow" in sys.argv[0]
+                                                                          else Path(sys.argv[0]).name,
+                                                                          *sys.argv[1:]])[:200],
+                                 "started": time.time()}) + "\n")
+            fh.flush()
+            while True:  # a plain `dvc repro` does not know our lock: wait for it to end too
+                others = dvc_writers(root)
+                if not others:
+                    break
+                waiting(_describe(others[0]), t0)
             yield
         finally:
+            with contextlib.suppress(OSError):
+                fh.seek(0)
+                fh.truncate()
             fcntl.flock(fh, fcntl.LOCK_UN)

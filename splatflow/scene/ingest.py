@@ -16,6 +16,10 @@ Why each step exists
 * **Blur.** Motion-blurred frames register badly and teach the splats blur. Sharpness (variance of the
   Laplacian, measured at a fixed width) is compared with the *median of the neighbouring images* in name order,
   because absolute sharpness depends on content and resolution (:mod:`splatflow.scene.imagehash`).
+* **Featureless frames.** A black, white or lens-cap frame has nothing for SfM to match and only teaches the splats
+  a flat colour; its relative sharpness may even pass the blur check next to other dark frames. An image whose
+  grey thumbnail (area-averaged, so sensor noise cancels) has a standard deviation below
+  ``FEATURELESS_MAX_STD`` grey levels is rejected as ``featureless``.
 * **Duplicates.** Repeated shots or a camera standing still add no geometry but bias training toward one view;
   an image whose perceptual hash lies within ``dedupe_max_distance`` bits of an earlier kept image *and* whose
   thumbnail correlates with it at ``dedupe_min_correlation`` or more is dropped.
@@ -43,10 +47,17 @@ from tqdm import tqdm
 
 from splatflow.config import IngestConfig
 from splatflow.errors import UserError
-from splatflow.scene.imagehash import correlation, hamming_to_many, phash, sharpness, thumbnail, to_gray_f32
+from splatflow.scene.imagehash import (correlation, hamming_to_many, phash, resize_to_width, sharpness, thumbnail,
+                                      to_gray_f32)
 from splatflow.scene.video import is_video_path, iter_sharpest_frames, probe
 
 MIN_USABLE_IMAGES = 3  # fewer cannot make a two-view model plus one image to register against it
+#: Std of the 128-px grey thumbnail (0-255) below which an image is featureless. Measured: uniform black, grey or
+#: white 800x600 frames with sensor noise of std 4 and JPEG q90 give 0.34-0.44; the views of the synthetic room and
+#: of fountain-P11/entry-P10 give 19.8 or more, and scikit-image's photos darkened to 15 % of their brightness 4.3
+#: or more. 1.5 sits well clear of both.
+FEATURELESS_MAX_STD = 1.5
+FEATURELESS_THUMB_WIDTH = 128
 
 # reason codes in the metrics, with the fix each one suggests when too few images survive
 REASON_HINTS = {
@@ -54,6 +65,7 @@ REASON_HINTS = {
     "not_image": "remove non-image files or convert RAW/other formats to JPEG/PNG/HEIC",
     "unreadable": "re-copy or re-export the damaged/truncated files",
     "too_small": "use larger images or lower ingest.min_side_px",
+    "featureless": "remove the black, white or lens-cap frames: they hold nothing to match",
     "blurry": "retake the blurry shots, or lower ingest.blur_rel_threshold (0 disables the check)",
     "duplicate": "take photos from more distinct positions, or raise ingest.dedupe_min_correlation",
 }
@@ -120,6 +132,31 @@ class IngestResult:
         if self.video is not None:
             out["video"] = self.video
         return out
+
+    def summary_lines(self, max_names: int = 6) -> list[str]:
+        """One console line per reason anything was left out (sub-folders, hidden files, each rejection
+        reason), with the count, the first names and what to do; nothing is left out in silence."""
+        def names(items: list[str]) -> str:
+            more = f", ... ({len(items) - max_names} more)" if len(items) > max_names else ""
+            return ", ".join(items[:max_names]) + more
+
+        lines = []
+        folders = [n for n in self.ignored if n.endswith("/")]
+        hidden = [n for n in self.ignored if not n.endswith("/")]
+        if folders:
+            lines.append(f"skipped {len(folders)} sub-folder{'s' * (len(folders) != 1)} (ingest reads only the "
+                         f"files directly in {self.source}): {names(folders)}")
+        if hidden:
+            lines.append(f"skipped {len(hidden)} hidden file{'s' * (len(hidden) != 1)}: {names(hidden)}")
+        by_reason: dict[str, list[str]] = {}
+        for r in self.rejected:
+            by_reason.setdefault(r.reason, []).append(r.file)
+        for reason in [k for k in REASON_HINTS if k in by_reason] + [k for k in by_reason if k not in REASON_HINTS]:
+            files = by_reason[reason]
+            hint = REASON_HINTS.get(reason)
+            lines.append(f"rejected {len(files)} {reason.replace('_', ' ')}: {names(files)}"
+                         + (f" (fix: {hint})" if hint else ""))
+        return lines
 
 
 # --------------------------------------------------------------------------------------------- entry point
@@ -298,7 +335,21 @@ def _save(im: Image.Image, path: Path, cfg: IngestConfig) -> None:
 
 def _measure(rgb_u8: np.ndarray, cfg: IngestConfig) -> tuple[float, np.ndarray, np.ndarray]:
     gray = to_gray_f32(rgb_u8)  # [H, W]
+    flat = _featureless(gray)
+    if flat:
+        raise flat
     return sharpness(gray, cfg.blur_measure_width), phash(gray), thumbnail(gray)
+
+
+def _featureless(gray: np.ndarray) -> _Reject | None:
+    """A nearly uniform image (black, white, lens cap): see ``FEATURELESS_MAX_STD``."""
+    small = resize_to_width(gray, min(FEATURELESS_THUMB_WIDTH, gray.shape[1]))  # [h, 128]
+    std = float(small.std())
+    if std < FEATURELESS_MAX_STD:
+        return _Reject("featureless", f"nearly uniform (grey-level std {std:.2f} of 255, mean {float(small.mean()):.0f}"
+                                      f"; below {FEATURELESS_MAX_STD:g}): a black, white or lens-cap frame has no "
+                                      "features for structure from motion")
+    return None
 
 
 def _too_small(w: int, h: int, cfg: IngestConfig) -> _Reject | None:
@@ -357,7 +408,11 @@ def _read_video(source: Path, staging: Path, cfg: IngestConfig, progress: bool):
             rejected.append(Rejection(label, small.reason, small.detail, i))
             continue
         rgb = fr.rgb  # [H, W, 3]
-        _, h64, thumb = _measure(rgb, cfg)
+        try:
+            _, h64, thumb = _measure(rgb, cfg)
+        except _Reject as r:
+            rejected.append(Rejection(label, r.reason, r.detail, i))
+            continue
         _save(Image.fromarray(rgb), staging / name, cfg)
         candidates.append(Candidate(label, name, w, h, fr.sharpness, h64, thumb, "frame", i))
     info.update(frames_requested=cfg.video_frames, frames_chosen=len(candidates) + len(rejected),

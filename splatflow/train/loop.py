@@ -16,8 +16,6 @@ import json
 import logging
 import math
 import random
-import signal
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +24,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from splatflow import stop
 from splatflow.config import TrainConfig, section_dict
 from splatflow.device import reset_peak_memory, run_record
 from splatflow.device import resolve as resolve_device
@@ -198,7 +197,6 @@ class Trainer:
         self.elapsed_s = 0.0
         self.events: list[dict] = []
         self.val_psnr: float | None = None
-        self._sigterm = False
         self._grad_checked = False
         self.resumed_from: int | None = None
         self._rows: list[dict] = []
@@ -510,7 +508,7 @@ class Trainer:
                 if reason:
                     stopped = reason
                     break
-                if self._sigterm:
+                if stop.requested():
                     stopped = f"sigterm at step {self.step}"
                     self.save(finished=False, stopped=stopped)
                     return self._result(stopped, start_step, t_start, initial_psnr, saved=True)
@@ -551,17 +549,14 @@ class Trainer:
                            resumed_from=self.resumed_from, device=run_record(self.run_device))
 
     def _install_sigterm(self):
-        if threading.current_thread() is not threading.main_thread():
-            return None
+        """SIGTERM belongs to the stage shell (:mod:`splatflow.stop`); the loop only polls its flag, so it can
+        write a resumable checkpoint before returning."""
+        block = stop.cooperative()
+        block.__enter__()
+        return block
 
-        def handler(signum, frame):
-            self._sigterm = True
-
-        return signal.signal(signal.SIGTERM, handler)
-
-    def _restore_sigterm(self, old) -> None:
-        if old is not None and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, old)
+    def _restore_sigterm(self, block) -> None:
+        block.__exit__(None, None, None)
 
 
 def _adam(param: torch.nn.Parameter, lr: float) -> torch.optim.Adam:
@@ -611,6 +606,8 @@ def finetune(splats: dict[str, torch.Tensor], scene, steps: int, cfg: TrainConfi
     random.seed(seed)
     try:
         res = Trainer(scene, cfg2, seed=seed, splats=splats, densify=False, schedules=sched).run()
+        if res.stopped.startswith("sigterm"):  # a partial fine-tune is not a result: the caller must not use it
+            raise stop.StageStopped(f"stopped by SIGTERM during a fine-tune ({res.stopped})")
     finally:
         random.setstate(state[0])
         np.random.set_state(state[1])
