@@ -29,6 +29,14 @@ def test_cut_steps_evenly_spaced_between_start_and_end():
     assert pd.cut_steps(replace(cfg, phases=5, end_fraction=0.9), 1000) == [600, 675, 750, 825, 900]
 
 
+def test_judge_steps_one_interval_after_each_cut():
+    cfg = PruneDuringConfig(enabled=True, start_fraction=0.6, end_fraction=0.75, phases=3)
+    assert pd.cut_steps(cfg, 4000) == [2400, 2700, 3000]
+    assert pd.judge_steps(cfg, 4000) == [2700, 3000, 3300]
+    assert pd.judge_steps(replace(cfg, phases=1), 4000) == [3200]  # half the remaining steps
+    assert pd.judge_steps(replace(cfg, end_fraction=0.95), 1000) == [775, 950, 1000]  # never past max_steps
+
+
 def test_cut_steps_refuse_phases_that_do_not_fit():
     cfg = PruneDuringConfig(enabled=True, start_fraction=0.6, end_fraction=0.61, phases=5)
     with pytest.raises(UserError, match="train.prune_during"):
@@ -160,6 +168,7 @@ def test_early_stop_restores_the_model_before_the_rejected_cut(scene):
     res = Trainer(scene, _cfg(phases=2, keep_final=1e-4, max_psnr_drop_db=1.0), seed=0).run()
     rep = res.prune_during
     assert rep["stopped_early"] and len(rep["phases"]) == 1 and rep["phases"][0]["accepted"] is False
+    assert rep["phases"][0]["judged_at_step"] == 160 and res.steps == 200  # the restored model trained on
     assert "restored" in rep["stop_reason"]
     assert res.splats["means"].shape[0] == rep["gaussians_before"] == rep["gaussians_after"]
 

@@ -56,6 +56,15 @@ def cut_steps(cfg: PruneDuringConfig, max_steps: int) -> list[int]:
     return steps
 
 
+def judge_steps(cfg: PruneDuringConfig, max_steps: int) -> list[int]:
+    """The step at which each phase is judged: the next cut's step, and for the last phase one cut interval
+    after its cut (half the remaining steps with a single phase), never past ``max_steps``. Judging a phase soon
+    after its cut, not at the end of training, leaves the steps after it to the model an undo restores."""
+    steps = cut_steps(cfg, max_steps)
+    gap = steps[1] - steps[0] if len(steps) > 1 else max(1, (max_steps - steps[0]) // 2)
+    return steps[1:] + [min(max_steps, steps[-1] + gap)]
+
+
 def keep_fractions(cfg: PruneDuringConfig) -> list[float]:
     """Cumulative keep fraction of each cut, of the count at the first cut: ``keep_final ** (k / phases)``,
     k = 1..phases (3 phases to 0.1: 0.464, 0.215, 0.100), so every cut removes the same share of what is left."""
@@ -133,14 +142,16 @@ def restore(params: dict, optimizers: dict, strategy_state: dict, snap: dict) ->
 class PruneDuring:
     """Cuts the trainer's model at :func:`cut_steps` down to :func:`keep_fractions` and judges each phase.
 
-    A phase is judged at the next cut or, for the last one, when training ends: accepted if the validation PSNR
-    then is within ``max_psnr_drop_db`` of the PSNR just before the first cut, otherwise undone (snapshot) and
-    pruning stops. While cuts are pending the plateau stop's clock is held, so training reaches the last cut.
+    A phase is judged at :func:`judge_steps` (or when training ends, if that comes first): accepted if the
+    validation PSNR then is within ``max_psnr_drop_db`` of the PSNR just before the first cut, otherwise undone
+    (snapshot) and pruning stops; the restored model trains on for the remaining steps. While cuts are pending the
+    plateau stop's clock is held, so training reaches the last cut.
     """
 
     cfg: PruneDuringConfig
     steps: list[int]
     fractions: list[float]
+    judge_at: list[int]
     done: int = 0  # cuts made
     judged: int = 0  # phases judged (accepted, or the one rejected)
     n_ref: int | None = None  # Gaussians at the first cut
@@ -151,7 +162,7 @@ class PruneDuring:
 
     @classmethod
     def from_config(cls, cfg: PruneDuringConfig, max_steps: int) -> "PruneDuring":
-        return cls(cfg, cut_steps(cfg, max_steps), keep_fractions(cfg))
+        return cls(cfg, cut_steps(cfg, max_steps), keep_fractions(cfg), judge_steps(cfg, max_steps))
 
     @property
     def pending(self) -> bool:
@@ -161,20 +172,21 @@ class PruneDuring:
     # ------------------------------------------------------------------------------------------ hooks
     def after_step(self, trainer) -> None:
         """Called after every training step (``trainer.step`` completed steps)."""
-        if not self.pending:
-            return
         step = trainer.step
-        if step < self.steps[self.done]:
-            if trainer.stopper.best_step >= 0:
+        due_judge = self.stop_reason is None and self.judged < self.done and step >= self.judge_at[self.judged]
+        due_cut = self.pending and step >= self.steps[self.done]
+        if not (due_judge or due_cut):
+            if self.pending and trainer.stopper.best_step >= 0:
                 trainer.stopper.best_step = step  # hold the plateau clock until the last cut
             return
         val = trainer.validate()
-        if self.done == 0:
-            self.psnr_ref = val
-            self.n_ref = int(trainer.params["means"].shape[0])
-        elif not self._judge(trainer, val, step):
+        if due_judge and not self._judge(trainer, val, step):
             return
-        self._cut(trainer, step)
+        if due_cut:
+            if self.done == 0:
+                self.psnr_ref = val
+                self.n_ref = int(trainer.params["means"].shape[0])
+            self._cut(trainer, step)
 
     def finish(self, trainer) -> None:
         """Called once when training ends (max_steps or plateau): judge the last phase, drop the snapshot."""
@@ -246,7 +258,7 @@ class PruneDuring:
     def report(self) -> dict:
         """What the train stage's metrics and the prune stage's verification read."""
         kept = [r for r in self.records if r["accepted"]]
-        return {"cut_steps": list(self.steps), "keep_fractions": [round(f, 6) for f in self.fractions],
+        return {"cut_steps": list(self.steps), "judge_steps": list(self.judge_at), "keep_fractions": [round(f, 6) for f in self.fractions],
                 "gaussians_before": self.n_ref, "val_psnr_before": self.psnr_ref,
                 "gaussians_after": kept[-1]["gaussians"] if kept else self.n_ref,
                 "phases": [dict(r) for r in self.records], "cuts": self.done,
