@@ -549,7 +549,7 @@ class Params:
         return _scene_params(self, name)
 
 
-STAGE_SECTIONS = ("ingest", "sfm", "split", "train", "prune", "evaluate", "export")
+STAGE_SECTIONS = ("ingest", "sfm", "split", "train", "prune", "evaluate", "export", "report")
 
 
 def _merge(base: dict, over: dict) -> dict:
