@@ -206,3 +206,16 @@ def test_off_by_default_and_no_pruner_in_finetune(scene):
     assert not TrainConfig().prune_during.enabled
     assert Trainer(scene, replace(_cfg(), prune_during=PruneDuringConfig()), seed=0).pruner is None
     assert Trainer(scene, _cfg(), seed=0, densify=False).pruner is None  # recovery fine-tunes never cut
+
+
+@pytest.mark.parametrize("keep_final, tol", [(0.2, 50.0), (1e-4, 1.0)])  # all phases kept / the first one undone
+def test_cuts_and_undo_allocate_only_on_the_run_device(scene, keep_final, tol):
+    # any tensor made without an explicit device lands on `meta` and cannot mix with the run's CPU tensors
+    torch.set_default_device("meta")
+    try:
+        res = Trainer(scene, _cfg(max_steps=100, phases=2, keep_final=keep_final, max_psnr_drop_db=tol),
+                      seed=0).run()
+    finally:
+        torch.set_default_device(None)
+    assert all(v.device.type == "cpu" for v in res.splats.values())
+    assert res.prune_during["cuts"] >= 1 and res.prune_during["stopped_early"] == (tol == 1.0)
