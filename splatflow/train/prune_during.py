@@ -4,15 +4,15 @@ Why: the prune stage's phased pruning (:mod:`splatflow.prune`, after LightGaussi
 every phase; six recoveries of 1,000-3,000 steps cost about twice the training itself (bench/RESULTS.md). Training
 already ends with steps that only refine a fixed set of Gaussians (densification stops at
 ``densify.refine_stop_fraction``). Cutting the model during those steps lets them serve as the recovery, and each
-step after a cut is cheaper because fewer Gaussians are drawn, so pruning costs about its scoring. The same idea
-drives "prune during the last part of training" schedules such as Trick-GS and the pruning of Taming 3DGS.
+step after a cut is cheaper because fewer Gaussians are drawn, so pruning costs about its scoring (progressive
+pruning during training, as in Trick-GS, rather than LightGaussian's prune-then-recover).
 
 What is kept from the prune stage: the ranking (the removal cost, :func:`splatflow.prune.removal_scores`, each
 cut made in ``score_rounds`` geometric sub-cuts re-scored in between) and the early stop against a PSNR floor on
 TRAINING views. What differs: the cuts are fractions of the count at the first cut (geometric from 1 down to
 ``keep_final``), the score is summed over ``score_views`` evenly spaced training views instead of all of them
-(a cut of a Gaussian that no scored view sees is judged by its zero cost; with 8 of 31 views around an orbit
-every surface is seen), and a rejected phase is undone by restoring the model AND its optimizer state from a
+(a Gaussian that no scored view sees costs zero to remove, so the scored views must cover the scene: the
+default 16 of the demo's 31 orbit views are ~23 degrees apart, well inside the 65-degree field of view), and a rejected phase is undone by restoring the model AND its optimizer state from a
 snapshot taken just before its cut (training then continues without further cuts).
 
 The policy is this small object with explicit state, called by the training loop after every step
