@@ -4,7 +4,9 @@ Runs the prune stage's work (:func:`splatflow.prune.run_prune`, recovery fine-tu
 checkpoint and, after every phase, renders the split's TEST views under ``torch.no_grad`` at full resolution.
 Test views only measure; nothing is fitted to them (the stage's early stop uses training views). By default the
 early stop is off here (``--max-drop-db inf``) so the whole curve is seen; pass the stage's value to reproduce
-what the stage keeps. The pruned checkpoint goes to a temporary folder, never over the DVC output.
+what the stage keeps. The pruned checkpoint goes to a temporary folder, never over the DVC output. The prune
+stage's time is printed beside the training time of the checkpoint it pruned (the checkpoint's own training time,
+or ``metrics/<scene>/train.json``'s), so the ratio is one figure of one run.
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/prune_curve.py demo
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/prune_curve.py demo --finetune-steps 300 --json out.json
@@ -106,6 +108,7 @@ def main(argv=None) -> None:
                                   seed=params.base.seed, phase_callback=on_phase)
         total_s = time.perf_counter() - t_all
     rows[0]["val_psnr"] = metrics["val_psnr_before"]
+    train_s = _train_seconds(ckpt, paths)
 
     print()
     print("| phase | keep | Gaussians | size (MB) | val PSNR (train views) | test PSNR | test drop (dB) | "
@@ -121,10 +124,26 @@ def main(argv=None) -> None:
     print(f"\nfinal phase keeps {last['gaussians'] / n0:.1%} of the Gaussians; test PSNR drop "
           f"{last['test_drop_db']:.2f} dB -> target (<= 1 dB at ~10%) {'MET' if verdict else 'NOT MET'}; "
           f"total {total_s:.0f} s")
+    if train_s:
+        print(f"prune {total_s:.0f} s beside the training of this checkpoint, {train_s:.0f} s: ratio "
+              f"{total_s / train_s:.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"scene": args.scene, "ckpt": str(ckpt), "config": dataclasses.asdict(cfg),
-                                               "rows": rows, "stage_metrics": metrics, "total_seconds": total_s},
+                                               "rows": rows, "stage_metrics": metrics, "total_seconds": total_s,
+                                               "train_seconds": train_s,
+                                               "prune_over_train": total_s / train_s if train_s else None},
                                               indent=2, default=str))
+
+
+def _train_seconds(ckpt: Path, paths) -> float | None:
+    """Training time of ``ckpt`` (its recorded training time without validation; the train stage's metrics when
+    the checkpoint does not say)."""
+    from splatflow.model import load_checkpoint
+
+    s = load_checkpoint(ckpt).get("elapsed_seconds")
+    if not s and paths.metrics_json("train").exists():
+        s = json.loads(paths.metrics_json("train").read_text()).get("train_seconds")
+    return float(s) if s else None
 
 
 if __name__ == "__main__":

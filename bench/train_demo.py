@@ -9,12 +9,23 @@ decoded to float; renders not quantised).
 
 Target (issue 4): >= 28 dB test PSNR with <= 10 minutes of training on 2 cores.
 
-    python bench/train_demo.py [--work DIR] [--json PATH] [--max-steps N] [--threads 2]
+After training, the prune stage's work (``splatflow.prune.run_prune`` with ``params.yaml``'s ``prune`` section) runs
+on the checkpoint and is timed, so the prune stage's time is reported beside the train stage's (one ratio per run),
+with the test PSNR of the model the prune stage writes. With ``train.prune_during`` on (the default) training
+already pruned the model and the prune stage verifies and copies it.
+
+    python bench/train_demo.py [--work DIR] [--json PATH] [--max-steps N] [--threads 2] [--name RUN]
+    python bench/train_demo.py --resume-from DIR/ckpt.pt --set prune_during.enabled=false --name ref
 
 ``--work`` keeps the generated scene and SfM between runs (reused when present). Training always starts from
 nothing: a checkpoint and training CSV left in the work folder by an earlier (e.g. killed) run are deleted first,
 since resuming would report that run's steps and seconds as this one's. ``--resume`` continues such a checkpoint
 instead, says so, and reports only the time this process trained.
+
+``--resume-from`` continues an unfinished checkpoint of an earlier run whatever its train params (copied to
+``--name``'s checkpoint first): two settings that differ only after that step (e.g. with and without
+``prune_during``, whose first cut comes later) are then compared on one trajectory, and each run's training time
+includes the shared part.
 """
 
 from __future__ import annotations
@@ -93,6 +104,10 @@ def main(argv=None):
                     help="override a train param for experiments, e.g. --set densify.grow_grad2d=0.0001")
     ap.add_argument("--resume", action="store_true",
                     help="continue the unfinished checkpoint in --work instead of starting from nothing (reported)")
+    ap.add_argument("--name", default="ckpt", help="checkpoint/CSV name in --work (several runs side by side)")
+    ap.add_argument("--resume-from", type=Path, metavar="CKPT",
+                    help="continue this unfinished checkpoint whatever train params wrote it (copied first)")
+    ap.add_argument("--no-prune", action="store_true", help="skip the prune stage after training")
     ap.add_argument("--eval-only", type=Path, metavar="CKPT",
                     help="only measure test PSNR of a checkpoint (e.g. one saved on SIGTERM) and print its step")
     args = ap.parse_args(argv)
@@ -136,7 +151,8 @@ def main(argv=None):
         cfg = params_from_dict(raw).train
     print(f"scene: {len(scene.train_views)} train / {len(scene.test_views)} test views, {len(scene.points)} SfM "
           f"points; {cfg.max_steps} steps, strategy {cfg.densify.strategy}", flush=True)
-    ckpt, csv = args.work / "ckpt.pt", args.work / "train.csv"
+    ckpt = args.work / f"{args.name}.pt"
+    csv = args.work / ("train.csv" if args.name == "ckpt" else f"{args.name}.csv")
     prior_s, prior_step = 0.0, 0
     if args.resume:
         cfg = replace(cfg, resume=True)
@@ -145,7 +161,7 @@ def main(argv=None):
 
             ck = load_checkpoint(ckpt)
             prior_s, prior_step = float(ck.get("elapsed_seconds", 0.0)), int(ck["step"])
-    else:  # a benchmark starts from nothing: never continue an earlier run's checkpoint
+    elif not args.resume_from:  # a benchmark starts from nothing: never continue an earlier run's checkpoint
         cfg = replace(cfg, resume=False)
         for stale in (ckpt, csv):
             if stale.exists():
@@ -154,9 +170,26 @@ def main(argv=None):
     load0 = os.getloadavg()
     t0 = time.perf_counter()
     cpu0 = os.times()
-    res = train(scene, cfg, ckpt_path=ckpt, csv_path=csv, seed=0)
+    if args.resume_from:
+        import shutil
+
+        from splatflow.model import load_checkpoint
+        from splatflow.train import Trainer
+
+        class Forked(Trainer):  # resumes whatever config wrote the checkpoint (the benchmark's fork)
+            def try_resume(self) -> bool:
+                self.load_state_dict(load_checkpoint(self.ckpt_path))
+                return True
+
+        if args.resume_from.resolve() != ckpt.resolve():
+            shutil.copy(args.resume_from, ckpt)
+        res = Forked(scene, cfg, ckpt_path=ckpt, csv_path=csv, seed=0).run()
+        print(f"continued {args.resume_from} from step {res.resumed_from}: the training time below is the whole "
+              "run's, the part before the fork included", flush=True)
+    else:
+        res = train(scene, cfg, ckpt_path=ckpt, csv_path=csv, seed=0)
     wall = time.perf_counter() - t0
-    if res.resumed_from is not None:
+    if res.resumed_from is not None and not args.resume_from:
         if not args.resume:
             raise RuntimeError(f"training resumed from step {res.resumed_from} although resume was off")
         own = res.train_seconds - prior_s
@@ -183,10 +216,37 @@ def main(argv=None):
           f"{os.cpu_count()} cores; sfm: {sfm.get('images_registered')} registered, {sfm.get('points3d')} points")
     print(f"target >= 28 dB in <= 600 s: PSNR {'MET' if out['psnr_test'] >= 28 else 'NOT MET'}, "
           f"time {'MET' if res.train_seconds <= 600 else 'NOT MET'}")
+    if res.prune_during:
+        pd = res.prune_during
+        cuts = ", ".join(f"step {r['step']}: {r['gaussians']} ({r['score_seconds']:.0f} s scoring, val "
+                         f"{r['val_psnr']:.2f} dB {'kept' if r['accepted'] else 'undone'})" for r in pd["phases"])
+        print(f"pruned during training from {pd['gaussians_before']} Gaussians (val {pd['val_psnr_before']:.2f} dB): "
+              f"{cuts}; {pd['stop_reason'] or 'all phases kept'}")
+        out["prune_during"] = pd
+    if not args.no_prune:
+        from splatflow.model import load_splats
+        from splatflow.prune import run_prune
+
+        prune_cfg = load_params(ROOT / "params.yaml").prune
+        t = time.perf_counter()
+        pm = run_prune(prune_cfg, cfg, train_ckpt=ckpt, out_ckpt=args.work / f"{args.name}_pruned.pt", scene=scene,
+                       seed=0)
+        prune_s = time.perf_counter() - t
+        pruned, pdeg = load_splats(args.work / f"{args.name}_pruned.pt")
+        pp = test_psnr(pruned, pdeg, scene.test_views)
+        # the denominator is the training time without validation (the whole run's, also when forked): the
+        # ratio is then an upper bound of the prune stage's share
+        out.update({"prune_seconds": round(prune_s, 1), "prune_over_train": round(prune_s / res.train_seconds, 3),
+                    "gaussians_pruned": int(pruned["means"].shape[0]), "psnr_test_pruned": round(float(np.mean(pp)), 3),
+                    "prune_stop_reason": pm["stop_reason"]})
+        print(f"prune stage {prune_s:.0f} s beside training's {res.train_seconds:.0f} s: ratio "
+              f"{prune_s / res.train_seconds:.2f}; {out['gaussians_pruned']} Gaussians, test PSNR {out['psnr_test_pruned']:.2f} dB "
+              f"(per view: {', '.join(f'{p:.2f}' for p in pp)}); {pm['stop_reason']}")
+        print(f"load average 1-min after pruning {os.getloadavg()[0]:.2f}")
     if args.json:
         args.json.write_text(json.dumps(dict(out, stopped=res.stopped, wall_seconds=round(wall, 1),
                                              per_view=[round(p, 3) for p in psnrs],
-                                             loadavg=[round(x, 2) for x in load1]), indent=2))
+                                             loadavg=[round(x, 2) for x in load1]), indent=2, default=str))
     return out
 
 

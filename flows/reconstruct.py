@@ -52,15 +52,15 @@ def run_stage(root: str, stage: str, run_id: Optional[str], tracking_uri: str, f
     return {"stage": stage, "seconds": round(res.seconds, 3), "skipped": res.skipped}
 
 
-def _params_for_logging(path: Path):
-    """The strict Params (what stages log too, so values agree); the raw YAML if it does not load -- the
-    failing stage will then say why."""
+def _params_for_logging(path: Path, scene: str):
+    """The scene's effective strict Params (what its stages log too, so values agree); the raw YAML if it does
+    not load -- the failing stage will then say why."""
     import yaml
 
     from splatflow.config import ConfigError, load_params
 
     try:
-        return load_params(path)
+        return load_params(path).for_scene(scene)
     except ConfigError:
         return yaml.safe_load(path.read_text()) or {}
 
@@ -87,7 +87,7 @@ def reproduce(root: Path, scene: str, *, main_root: Path, force: bool, stage_tim
     uri = tracking.tracking_uri(main_root)
     if tracking.enabled():
         cl = tracking.client(uri)
-        params = _params_for_logging(root / "params.yaml")
+        params = _params_for_logging(root / "params.yaml", scene)
         run_id = tracking.create_scene_run(cl, scene, root, None, uri=uri, parent_run_id=parent_run_id,
                                            run_name=run_name, tags={"splatflow.started_by": "prefect", **tags})
         tracking._log_batch(cl, run_id, params=tracking.flatten_params(params))

@@ -71,6 +71,9 @@ class SceneSource:
     colmap: str | None = None
     masks: str | None = None  # folder of masks named like the images (white = keep); ingest copies them
     resolution: ResolutionConfig | None = None  # this scene's size; null: base.resolution
+    # this scene's own settings: any keys of the stage sections, nested as in params.yaml
+    # ({train: {max_steps: 1500}, prune: {phases: 2}}); checked like the sections (Params.for_scene)
+    params: dict[str, Any] | None = None
 
     def __post_init__(self):
         if self.colmap is not None:
@@ -303,6 +306,42 @@ class EarlyStopConfig:
 
 
 @dataclass(frozen=True)
+class PruneDuringConfig:
+    """Pruning inside the last part of training (``splatflow.train.prune_during``): ``phases`` cuts at evenly
+    spaced steps from ``start_fraction`` to ``end_fraction`` of ``max_steps``, each keeping a geometric share of the
+    Gaussians counted at the first cut (``keep_final`` after the last), ranked by the removal cost (as the prune
+    stage's default score) on ``score_views`` training views, in ``score_rounds`` re-scored sub-cuts. The training
+    steps after each cut are its recovery, so pruning costs the scoring only. Early stop: a phase whose validation
+    PSNR (the training's own validation views) is more than ``max_psnr_drop_db`` below the PSNR just before the
+    first cut is undone (the model, its optimizer state and its training go back to before that cut) and no
+    further cut is made. The prune stage then only verifies and copies the model.
+    """
+
+    enabled: bool = False
+    start_fraction: float = 0.6  # first cut, as a fraction of max_steps (not before densification stops)
+    end_fraction: float = 0.8  # last cut; the steps after it recover the final model
+    phases: int = 3
+    keep_final: float = 0.1  # fraction of the Gaussians at the first cut kept after the last
+    score_rounds: int = 4  # re-scored geometric sub-cuts per phase (as prune.score_rounds)
+    score_views: int = 8  # training views the removal cost is summed over, evenly spaced (0 = all)
+    max_psnr_drop_db: float = 2.0  # early stop, against the validation PSNR just before the first cut
+
+    def __post_init__(self):
+        check(0.0 < self.start_fraction < 1.0, "train.prune_during.start_fraction", "a number in (0, 1)",
+              self.start_fraction)
+        check(self.start_fraction <= self.end_fraction < 1.0, "train.prune_during.end_fraction",
+              "a number in [start_fraction, 1)", self.end_fraction)
+        check(1 <= self.phases <= 20, "train.prune_during.phases", "an integer in [1, 20]", self.phases)
+        check(0.0 < self.keep_final < 1.0, "train.prune_during.keep_final", "a number in (0, 1)", self.keep_final)
+        check(1 <= self.score_rounds <= 20, "train.prune_during.score_rounds", "an integer in [1, 20]",
+              self.score_rounds)
+        check(self.score_views >= 0, "train.prune_during.score_views", "an integer >= 0 (0 = all training views)",
+              self.score_views)
+        check(self.max_psnr_drop_db >= 0.0, "train.prune_during.max_psnr_drop_db", "a number >= 0",
+              self.max_psnr_drop_db)
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """Training (issue 4): every behaviour of the loop is one of these named settings."""
 
@@ -324,6 +363,7 @@ class TrainConfig:
     blur: BlurConfig = field(default_factory=BlurConfig)
     densify: DensifyConfig = field(default_factory=DensifyConfig)
     early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
+    prune_during: PruneDuringConfig = field(default_factory=PruneDuringConfig)
     checkpoint_every: int = 1000
     resume: bool = True  # continue from an unfinished checkpoint of the same config
     log_every: int = 10  # rows in plots/S/train.csv and batched MLflow step metrics
@@ -348,6 +388,12 @@ class TrainConfig:
         check(self.checkpoint_every >= 1, "train.checkpoint_every", "an integer >= 1", self.checkpoint_every)
         check(self.log_every >= 1, "train.log_every", "an integer >= 1", self.log_every)
         check(self.image_cache_mb >= 16, "train.image_cache_mb", "an integer >= 16", self.image_cache_mb)
+        pd = self.prune_during
+        # a cut while densification still runs would be refilled by it (and its per-Gaussian state re-sized)
+        check(not pd.enabled or self.densify.strategy == "none"
+              or pd.start_fraction >= self.densify.refine_stop_fraction, "train.prune_during.start_fraction",
+              f"a fraction >= train.densify.refine_stop_fraction ({self.densify.refine_stop_fraction})",
+              pd.start_fraction)
 
 
 @dataclass(frozen=True)
@@ -495,6 +541,45 @@ class Params:
             )
         return self.base.scenes[name]
 
+    def for_scene(self, name: str) -> "Params":
+        """The effective params of scene ``name``: its ``base.scenes.<name>.params`` overrides merged into the
+        stage sections (mappings merged key by key, any other value, lists included, replaced), checked exactly
+        as params.yaml is. Every stage of a scene runs with these, and logs them."""
+        self.scene(name)
+        return _scene_params(self, name)
+
+
+STAGE_SECTIONS = ("ingest", "sfm", "split", "train", "prune", "evaluate", "export", "report")
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _scene_params(params: Params, name: str) -> Params:
+    over = params.base.scenes[name].params
+    if not over:
+        return params
+    where = f"params.yaml: scene {name!r} (base.scenes.{name}.params)"
+    changes = {}
+    for section, values in over.items():
+        if section not in STAGE_SECTIONS:
+            raise ConfigError(f"{where}: unknown section {section!r}; a scene may override only the stage "
+                              f"sections {', '.join(STAGE_SECTIONS)}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"{where}: {section} = {values!r} is not allowed; expected a mapping of "
+                              f"{section} keys, e.g. {{{section}: {{key: value}}}}")
+        current = getattr(params, section)
+        try:
+            changes[section] = _build(type(current), _merge(section_dict(current), values), section)
+        except ConfigError as e:
+            msg = str(e).removeprefix("params.yaml: ")
+            raise ConfigError(f"{where}: {msg}") from None
+    return dataclasses.replace(params, **changes)
+
 
 # --------------------------------------------------------------------------------------------- loader
 
@@ -591,7 +676,10 @@ def params_from_dict(data: dict | None) -> Params:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError("params.yaml: the top level must be a mapping of sections")
-    return _build(Params, data, "")
+    params = _build(Params, data, "")
+    for name in params.base.scenes:  # a scene's overrides fail on load, not when its stage starts
+        _scene_params(params, name)
+    return params
 
 
 def load_params(path: str | Path = "params.yaml") -> Params:

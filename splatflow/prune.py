@@ -429,7 +429,13 @@ def run_prune(cfg, train_cfg, *, train_ckpt, out_ckpt, undistorted_dir=None, spl
     schedule = keep_schedule(cfg.keep_first, cfg.keep_decay, cfg.phases) if cfg.enabled else []
     val_cams, val_targets = val_set(scene, cfg.val_views, cfg.val_factor)
 
-    if not schedule:  # no-op: copy the trained splats, still measure and write everything
+    during = (ckpt.get("prune_during") or {}).get("report") or {}
+    if during.get("cuts"):  # pruned inside training (train.prune_during): verify and copy, never cut again
+        from splatflow.train.prune_during import verify
+
+        result = PruneResult({k: v.clone() for k, v in splats.items()},
+                             verify(during, splats, mean_psnr(splats, sh_degree, val_cams, val_targets, cfg.backend)))
+    elif not schedule:  # no-op: copy the trained splats, still measure and write everything
         psnr = mean_psnr(splats, sh_degree, val_cams, val_targets, cfg.backend)
         why = "prune.enabled is false" if not cfg.enabled else "the keep schedule keeps every Gaussian"
         result = PruneResult({k: v.clone() for k, v in splats.items()}, {

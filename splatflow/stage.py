@@ -104,8 +104,9 @@ def stage_main(stage: str, run: RunFn, argv: list[str] | None = None, *, needs_t
     parser.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
     args = parser.parse_args(argv)
     try:
-        params = load_params(args.params)
-        params.scene(args.scene)  # fails clearly for an unknown scene
+        # the scene's effective params (its base.scenes.<scene>.params overrides applied); fails clearly for an
+        # unknown scene
+        params = load_params(args.params).for_scene(args.scene)
     except ConfigError as e:
         print(f"splatflow {stage}: {e}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -528,6 +528,8 @@ def _open_run(stage: str, scene: str, root: Path, params: Any) -> StageTracker:
         cl.update_run(run_id, status="RUNNING")
     tracker = StageTracker(stage, scene, root, params, cl, run_id, owns_status=owns)
     sections = _stage_sections(root, stage)
+    if sections is not None:  # foreach stages declare per-scene keys (base.scenes.${key})
+        sections = [s.replace("${key}", scene) for s in sections]
     tags = {**_backend_tag(params), f"splatflow.stage.{stage}": "running"}
     if owns:
         tags.update(_process_tags())

@@ -61,6 +61,7 @@ def run(params: Params, paths: ScenePaths) -> dict:
         "resumed_from": res.resumed_from,
         "device": res.device,  # backend, device name, versions, peak GPU memory (null on the CPU)
         "resolution": resolution,
+        "prune_during": res.prune_during,  # train.prune_during's cuts (null when off)
     }
 
 

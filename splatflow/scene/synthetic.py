@@ -50,14 +50,15 @@ __all__ = [
 #: Largest angle between neighbouring views that still gives COLMAP enough overlap (DESIGN.md §5).
 MAX_STEP_DEG = 10.0
 
-#: The demo scene (``splatflow demo-scene``): 36 views at 480x360 on a full orbit, 10 degrees apart. Measured (on a
-#: 2-core machine shared with other jobs, so as CPU time): generation ~30 CPU-s; full-resolution SfM ~65 CPU-s
-#: (SIFT ~45%, exhaustive matching of 630 pairs ~45%) with 36/36 views registered, ~7.3k points, 0.21 px
-#: reprojection error, camera centres within 0.01% of the orbit extent after similarity alignment.
+#: The demo scene (``splatflow demo-scene``): 36 views at 320x240 on a full orbit, 10 degrees apart, sized so that
+#: `make demo` is a first look of a few minutes on 2 cores (its training settings: base.scenes.demo.params in
+#: params.yaml). At 480x360 (measured on a 2-core machine shared with other jobs, so as CPU time): generation
+#: ~30 CPU-s; full-resolution SfM ~65 CPU-s (SIFT ~45%, exhaustive matching of 630 pairs ~45%) with 36/36 views
+#: registered, ~7.3k points, 0.21 px reprojection error, camera centres within 0.01% of the orbit extent.
 DEMO_DEFAULTS: dict = {
     "n_views": 36,
-    "width": 480,
-    "height": 360,
+    "width": 320,
+    "height": 240,
     "arc_deg": 360.0,
     "radius_m": 2.8,
     "height_m": 1.4,

@@ -32,6 +32,7 @@ from splatflow.device import to_device
 from splatflow.errors import UserError
 from splatflow.model import SPLAT_KEYS, init_splats, load_checkpoint, save_checkpoint, scene_scale
 from splatflow.train.images import ImageCache
+from splatflow.train.prune_during import PruneDuring
 from splatflow.train.schedules import (BlurSchedule, ExpDecay, PlateauStopper, ResolutionSchedule, Schedules,
                                        SHSchedule, gaussian_blur_pair)
 from splatflow.train.strategies import TorchMCMCStrategy, make_strategy
@@ -131,6 +132,7 @@ class TrainResult:
     initial_psnr: float | None = None
     resumed_from: int | None = None  # step of the unfinished checkpoint this run continued, if any
     device: dict = field(default_factory=dict)  # splatflow.device.run_record: what ran, peak GPU memory
+    prune_during: dict | None = None  # train.prune_during's report (PruneDuring.report), when it ran
 
 
 def rendered(info: dict) -> torch.Tensor:
@@ -187,6 +189,8 @@ class Trainer:
             if densify else None
         self.strategy_state = self.strategy.initialize_state(scene_scale=self.scene_scale, device=self.device) \
             if self.strategy else {}
+        self.pruner = PruneDuring.from_config(cfg.prune_during, cfg.max_steps) \
+            if densify and cfg.prune_during.enabled else None
         es = cfg.early_stop
         patience = max(es.eval_every, int(round(es.patience_steps * cfg.max_steps / es.reference_steps)))
         self.stopper = PlateauStopper(patience, es.min_delta_db,
@@ -395,6 +399,7 @@ class Trainer:
             "elapsed_seconds": self.elapsed_s,
             "events": self.events,
             "val_psnr": self.val_psnr,
+            "prune_during": to_device(self.pruner.state_dict(), "cpu") if self.pruner is not None else None,
         }
 
     def load_state_dict(self, ckpt: dict) -> None:
@@ -415,6 +420,8 @@ class Trainer:
         self.elapsed_s = float(ckpt["elapsed_seconds"])
         self.events = list(ckpt.get("events", []))
         self.val_psnr = ckpt.get("val_psnr")
+        if self.pruner is not None and ckpt.get("prune_during"):
+            self.pruner.load_state_dict(ckpt["prune_during"])
 
     def try_resume(self) -> bool:
         """Continue from an unfinished checkpoint of the same config at ``ckpt_path``; True if resumed."""
@@ -494,6 +501,8 @@ class Trainer:
                     self.val_psnr = self.validate()
                     reason = self.stopper.update(self.step, self.val_psnr)
                     t_last = time.perf_counter()  # validation is not training time
+                if self.pruner is not None:  # train.prune_during cuts; their scoring counts as training time
+                    self.pruner.after_step(self)
                 if self.step % cfg.log_every == 0 or self.step == cfg.max_steps or reason:
                     self._rows.append(row)
                     self._flush_csv()  # live: plots/S/train.csv can be watched while training runs
@@ -519,6 +528,8 @@ class Trainer:
                 if self.step % cfg.checkpoint_every == 0 and self.step < cfg.max_steps:
                     self.save(finished=False)
                     last_good = self.step
+            if self.pruner is not None:
+                self.pruner.finish(self)  # judges the last phase (may restore the model before its cut)
             if cfg.early_stop.enabled:
                 self.val_psnr = self.validate()
             self.save(finished=True, stopped=stopped)
@@ -546,7 +557,8 @@ class Trainer:
                            stopped=stopped, train_seconds=train_s,
                            it_per_s=done / max(self.elapsed_s - t_start, 1e-9) if done else 0.0,
                            val_psnr=self.val_psnr, events=list(self.events), initial_psnr=initial_psnr,
-                           resumed_from=self.resumed_from, device=run_record(self.run_device))
+                           resumed_from=self.resumed_from, device=run_record(self.run_device),
+                           prune_during=self.pruner.report() if self.pruner is not None else None)
 
     def _install_sigterm(self):
         """SIGTERM belongs to the stage shell (:mod:`splatflow.stop`); the loop only polls its flag, so it can

@@ -1,0 +1,299 @@
+"""Pruning inside the last part of training (``train.prune_during``): the steps after each cut are its recovery.
+
+Why: the prune stage's phased pruning (:mod:`splatflow.prune`, after LightGaussian) fine-tunes the model after
+every phase; six recoveries of 1,000-3,000 steps cost about twice the training itself (bench/RESULTS.md). Training
+already ends with steps that only refine a fixed set of Gaussians (densification stops at
+``densify.refine_stop_fraction``). Cutting the model during those steps lets them serve as the recovery, and each
+step after a cut is cheaper because fewer Gaussians are drawn, so pruning costs about its scoring (progressive
+pruning during training, as in Trick-GS, rather than LightGaussian's prune-then-recover).
+
+What is kept from the prune stage: the ranking (the removal cost, :func:`splatflow.prune.removal_scores`, each
+cut made in ``score_rounds`` geometric sub-cuts re-scored in between) and the early stop against a PSNR floor on
+TRAINING views. What differs: the cuts are fractions of the count at the first cut (geometric from 1 down to
+``keep_final``), the score is summed over ``score_views`` evenly spaced training views instead of all of them
+(a Gaussian that no scored view sees costs zero to remove, so the scored views must cover the scene: the
+default 16 of the demo's 31 orbit views are ~23 degrees apart, well inside the 65-degree field of view), and a rejected phase is undone by restoring the model AND its optimizer state from a
+snapshot taken just before its cut (training then continues without further cuts).
+
+The policy is this small object with explicit state, called by the training loop after every step
+(:meth:`PruneDuring.after_step`) and once when training ends (:meth:`PruneDuring.finish`); its state is part of
+the training checkpoint, so a resumed run cuts and judges exactly as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from splatflow.config import PruneDuringConfig
+from splatflow.errors import UserError
+from splatflow.model import SPLAT_KEYS
+
+log = logging.getLogger("splatflow.train")
+
+# per-Gaussian entries of a densification strategy's state (rows follow the Gaussians)
+_STRATEGY_ROW_KEYS = ("grad2d", "count", "radii")
+_ADAM_ROW_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+def cut_steps(cfg: PruneDuringConfig, max_steps: int) -> list[int]:
+    """The training steps (counted as completed steps) after which each cut is made: ``phases`` evenly spaced
+    steps from ``start_fraction`` to ``end_fraction`` of ``max_steps``.
+
+    Raises a UserError naming the keys when two cuts would fall on the same step (too few steps for the phases).
+    """
+    a, b = cfg.start_fraction * max_steps, cfg.end_fraction * max_steps
+    steps = [int(round(a + (b - a) * k / (cfg.phases - 1))) if cfg.phases > 1 else int(round(a))
+             for k in range(cfg.phases)]
+    if steps[0] < 1 or any(s1 <= s0 for s0, s1 in zip(steps, steps[1:])) or steps[-1] >= max_steps:
+        raise UserError(f"params.yaml: train.prune_during: {cfg.phases} cuts between steps {int(a)} and {int(b)} "
+                        f"of {max_steps} would not fall on distinct steps before the end ({steps}); lower "
+                        "train.prune_during.phases or widen start_fraction..end_fraction")
+    return steps
+
+
+def judge_steps(cfg: PruneDuringConfig, max_steps: int) -> list[int]:
+    """The step at which each phase is judged: the next cut's step, and for the last phase one cut interval
+    after its cut (half the remaining steps with a single phase), never past ``max_steps``. Judging a phase soon
+    after its cut, not at the end of training, leaves the steps after it to the model an undo restores."""
+    steps = cut_steps(cfg, max_steps)
+    gap = steps[1] - steps[0] if len(steps) > 1 else max(1, (max_steps - steps[0]) // 2)
+    return steps[1:] + [min(max_steps, steps[-1] + gap)]
+
+
+def keep_fractions(cfg: PruneDuringConfig) -> list[float]:
+    """Cumulative keep fraction of each cut, of the count at the first cut: ``keep_final ** (k / phases)``,
+    k = 1..phases (3 phases to 0.1: 0.464, 0.215, 0.100), so every cut removes the same share of what is left."""
+    return [cfg.keep_final ** (k / cfg.phases) for k in range(1, cfg.phases + 1)]
+
+
+def sub_cut_sizes(n_cur: int, n_keep: int, rounds: int) -> list[int]:
+    """Sizes after each of ``rounds`` geometric sub-cuts from ``n_cur`` to ``n_keep`` (the last is ``n_keep``)."""
+    return [n_keep if r == rounds else int(round(n_cur * (n_keep / n_cur) ** (r / rounds)))
+            for r in range(1, rounds + 1)]
+
+
+def accepted(val_psnr: float, ref_psnr: float, max_drop_db: float) -> bool:
+    """A phase is kept while its validation PSNR stays within ``max_drop_db`` of the PSNR before the first cut."""
+    return bool(val_psnr >= ref_psnr - max_drop_db)
+
+
+# --------------------------------------------------------------------------------------------- model surgery
+
+
+def keep_rows(params: dict, optimizers: dict, strategy_state: dict, rows: torch.Tensor) -> None:
+    """Keep only Gaussians ``rows`` (ascending indices) in the parameters, their Adam moments and the strategy's
+    per-Gaussian state, in place of the dicts' entries (new ``Parameter`` objects, as gsplat's strategy ops do)."""
+    n_old = params["means"].shape[0]
+    for k in SPLAT_KEYS:
+        old = params[k]
+        r = rows.to(old.device)
+        new = torch.nn.Parameter(old.detach().index_select(0, r).contiguous())
+        opt = optimizers[k]
+        st = opt.state.pop(old, {})
+        for name in _ADAM_ROW_KEYS:
+            if name in st:
+                st[name] = st[name].index_select(0, r).contiguous()
+        opt.param_groups[0]["params"] = [new]
+        if st:
+            opt.state[new] = st
+        params[k] = new
+    for name in _STRATEGY_ROW_KEYS:
+        v = strategy_state.get(name)
+        if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == n_old:
+            strategy_state[name] = v.index_select(0, rows.to(v.device)).contiguous()
+
+
+def snapshot(params: dict, optimizers: dict) -> dict:
+    """Copies of the parameters and their Adam state (what undoing a cut restores)."""
+    out = {}
+    for k in SPLAT_KEYS:
+        p = params[k]
+        st = optimizers[k].state.get(p, {})
+        out[k] = {"param": p.detach().clone(), **{n: v.detach().clone() for n, v in st.items()}}
+    return out
+
+
+def restore(params: dict, optimizers: dict, strategy_state: dict, snap: dict) -> None:
+    """Put a :func:`snapshot` back (new ``Parameter`` objects; per-Gaussian strategy state is dropped)."""
+    for k in SPLAT_KEYS:
+        old = params[k]
+        new = torch.nn.Parameter(snap[k]["param"].clone().to(old.device))
+        opt = optimizers[k]
+        opt.state.pop(old, None)
+        opt.param_groups[0]["params"] = [new]
+        st = {n: v.clone().to(old.device) for n, v in snap[k].items() if n != "param"}
+        if st:
+            opt.state[new] = st
+        params[k] = new
+    for name in _STRATEGY_ROW_KEYS:
+        if isinstance(strategy_state.get(name), torch.Tensor):
+            strategy_state[name] = None
+
+
+# --------------------------------------------------------------------------------------------- the policy
+
+
+@dataclass
+class PruneDuring:
+    """Cuts the trainer's model at :func:`cut_steps` down to :func:`keep_fractions` and judges each phase.
+
+    A phase is judged at :func:`judge_steps` (or when training ends, if that comes first): accepted if the
+    validation PSNR then is within ``max_psnr_drop_db`` of the PSNR just before the first cut, otherwise undone
+    (snapshot) and pruning stops; the restored model trains on for the remaining steps. While cuts are pending the
+    plateau stop's clock is held, so training reaches the last cut.
+    """
+
+    cfg: PruneDuringConfig
+    steps: list[int]
+    fractions: list[float]
+    judge_at: list[int]
+    done: int = 0  # cuts made
+    judged: int = 0  # phases judged (accepted, or the one rejected)
+    n_ref: int | None = None  # Gaussians at the first cut
+    psnr_ref: float | None = None  # validation PSNR just before the first cut
+    stop_reason: str | None = None
+    records: list[dict] = field(default_factory=list)
+    snap: dict | None = None  # the model before the latest cut, until that phase is judged
+
+    @classmethod
+    def from_config(cls, cfg: PruneDuringConfig, max_steps: int) -> "PruneDuring":
+        return cls(cfg, cut_steps(cfg, max_steps), keep_fractions(cfg), judge_steps(cfg, max_steps))
+
+    @property
+    def pending(self) -> bool:
+        """Cuts still to make (no early stop yet)."""
+        return self.stop_reason is None and self.done < len(self.steps)
+
+    # ------------------------------------------------------------------------------------------ hooks
+    def after_step(self, trainer) -> None:
+        """Called after every training step (``trainer.step`` completed steps)."""
+        step = trainer.step
+        due_judge = self.stop_reason is None and self.judged < self.done and step >= self.judge_at[self.judged]
+        due_cut = self.pending and step >= self.steps[self.done]
+        if not (due_judge or due_cut):
+            if self.pending and trainer.stopper.best_step >= 0:
+                trainer.stopper.best_step = step  # hold the plateau clock until the last cut
+            return
+        val = trainer.validate()
+        if due_judge and not self._judge(trainer, val, step):
+            return
+        if due_cut:
+            if self.done == 0:
+                self.psnr_ref = val
+                self.n_ref = int(trainer.params["means"].shape[0])
+            self._cut(trainer, step)
+
+    def finish(self, trainer) -> None:
+        """Called once when training ends (max_steps or plateau): judge the last phase, drop the snapshot."""
+        if self.judged < self.done and self.stop_reason is None:
+            self._judge(trainer, trainer.validate(), trainer.step)
+        if self.pending:  # training ended before a scheduled cut (e.g. a resumed run with other steps)
+            self.stop_reason = (f"training ended at step {trainer.step} before the cut at step "
+                                f"{self.steps[self.done]}")
+        self.snap = None
+
+    # ------------------------------------------------------------------------------------------ work
+    def _judge(self, trainer, val: float, step: int) -> bool:
+        rec = self.records[-1]
+        ok = accepted(val, self.psnr_ref, self.cfg.max_psnr_drop_db)
+        rec.update({"val_psnr": val, "judged_at_step": step, "accepted": ok})
+        self.judged += 1
+        if not ok:
+            restore(trainer.params, trainer.optimizers, trainer.strategy_state, self.snap)
+            self.stop_reason = (f"phase {rec['phase']} (keep {rec['keep_fraction']:.3f}) gave validation PSNR "
+                                f"{val:.2f} dB at step {step}, more than {self.cfg.max_psnr_drop_db:g} dB below "
+                                f"{self.psnr_ref:.2f} dB before the first cut; restored the model before that cut")
+            log.info("prune during training: %s", self.stop_reason)
+            self._restart_plateau(trainer)
+        self.snap = None
+        return ok
+
+    def _cut(self, trainer, step: int) -> None:
+        from splatflow.prune import Camera, removal_scores, select, top_indices, val_indices
+
+        t0 = time.perf_counter()
+        frac = self.fractions[self.done]
+        n_cur = int(trainer.params["means"].shape[0])
+        n_keep = max(1, int(round(frac * self.n_ref)))
+        self.snap = snapshot(trainer.params, trainer.optimizers)
+        deg = trainer.sched.sh.degree(step)
+        n_views = len(trainer.views)
+        ids = val_indices(n_views, self.cfg.score_views) if self.cfg.score_views else list(range(n_views))
+        cams, targets = [], []
+        for i in ids:
+            img, K = trainer.cache.get(i, 1.0)  # [H, W, 3], [3, 3]
+            cams.append(Camera(trainer.views[i].world_to_cam, K, img.shape[1], img.shape[0]))
+            targets.append(img)
+        dev = trainer.params["means"].device
+        candidate = {k: trainer.params[k].detach() for k in SPLAT_KEYS}
+        rows = torch.arange(n_cur, device=dev)  # [N] the survivors' rows in the current model
+        if n_keep < n_cur:
+            for n_sub in sub_cut_sizes(n_cur, n_keep, self.cfg.score_rounds):
+                idx = top_indices(removal_scores(candidate, deg, cams, targets), n_sub).to(dev)
+                candidate = select(candidate, idx)
+                rows = rows.index_select(0, idx)
+            keep_rows(trainer.params, trainer.optimizers, trainer.strategy_state, rows)
+        self.done += 1
+        rec = {"phase": self.done, "step": step, "keep_fraction": round(frac, 6), "gaussians": n_keep,
+               "gaussians_before": n_cur, "score_views": len(ids), "score_seconds": round(time.perf_counter() - t0, 3),
+               "val_psnr": None, "accepted": None}
+        self.records.append(rec)
+        log.info("prune during training: step %d cut %d -> %d Gaussians (%.1f%% of %d) in %.1f s", step, n_cur,
+                 n_keep, 100.0 * n_keep / self.n_ref, self.n_ref, rec["score_seconds"])
+        if trainer.step_logger is not None:
+            trainer.step_logger.log(step, {"prune_gaussians": float(n_keep), "prune_phase": float(self.done)})
+        self._restart_plateau(trainer)
+
+    @staticmethod
+    def _restart_plateau(trainer) -> None:
+        """The model just changed: the plateau is measured afresh from the next validation."""
+        trainer.stopper.best_db, trainer.stopper.best_step = -math.inf, -1
+
+    # ------------------------------------------------------------------------------------------ state
+    def report(self) -> dict:
+        """What the train stage's metrics and the prune stage's verification read."""
+        kept = [r for r in self.records if r["accepted"]]
+        return {"cut_steps": list(self.steps), "judge_steps": list(self.judge_at), "keep_fractions": [round(f, 6) for f in self.fractions],
+                "gaussians_before": self.n_ref, "val_psnr_before": self.psnr_ref,
+                "gaussians_after": kept[-1]["gaussians"] if kept else self.n_ref,
+                "phases": [dict(r) for r in self.records], "cuts": self.done,
+                "stopped_early": self.stop_reason is not None and self.judged > len(kept),
+                "stop_reason": self.stop_reason}
+
+    def state_dict(self) -> dict:
+        return {"done": self.done, "judged": self.judged, "n_ref": self.n_ref, "psnr_ref": self.psnr_ref,
+                "stop_reason": self.stop_reason, "records": [dict(r) for r in self.records], "snap": self.snap,
+                "steps": list(self.steps), "report": self.report()}
+
+    def load_state_dict(self, d: dict) -> None:
+        if list(d["steps"]) != list(self.steps):
+            raise UserError(f"checkpoint's prune_during cut steps {d['steps']} differ from {self.steps}; "
+                            "the run cannot resume (delete the checkpoint to start afresh)")
+        self.done, self.judged = int(d["done"]), int(d["judged"])
+        self.n_ref, self.psnr_ref, self.stop_reason = d["n_ref"], d["psnr_ref"], d["stop_reason"]
+        self.records, self.snap = [dict(r) for r in d["records"]], d["snap"]
+
+
+def verify(record: dict, splats: dict, val_psnr: float) -> dict:
+    """The prune stage's report for a model pruned during training: nothing is cut again; the count must be the
+    one training recorded, and the validation PSNR on the prune stage's views is measured (``val_psnr``)."""
+    n = int(splats["means"].shape[0])
+    if record.get("gaussians_after") != n:
+        raise UserError(f"models/<scene>/train/ckpt.pt: holds {n} Gaussians but its prune_during record says "
+                        f"{record.get('gaussians_after')}; rerun the train stage")
+    per_gaussian_mb = sum(splats[k][0].numel() * splats[k].element_size() for k in SPLAT_KEYS) / 1e6
+    n0 = int(record.get("gaussians_before") or n)
+    return {
+        "gaussians_before": n0, "gaussians_after": n,
+        "size_mb_before": round(n0 * per_gaussian_mb, 4), "size_mb_after": round(n * per_gaussian_mb, 4),
+        # the before/after PSNRs of training's phases are on training's early-stop views (train.early_stop)
+        "val_psnr_before": record.get("val_psnr_before"), "val_psnr_after": val_psnr,
+        "phases": record.get("phases", []), "stopped_early": bool(record.get("stopped_early")),
+        "stop_reason": ("pruned during training (train.prune_during): verified and copied"
+                        + (f"; {record['stop_reason']}" if record.get("stop_reason") else "")),
+    }

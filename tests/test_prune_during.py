@@ -1,0 +1,221 @@
+"""Pruning inside training (train.prune_during): cut steps, kept fractions, the early stop, the model surgery,
+resume, and the prune stage's verify-and-copy on such a model.
+
+The scene is the synthetic room at 96x72 with its true cameras (as tests/test_train.py), so no SfM is needed.
+"""
+
+import json
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from splatflow.config import ConfigError, PruneDuringConfig, TrainConfig, params_from_dict
+from splatflow.errors import UserError
+from splatflow.model import SPLAT_KEYS, load_checkpoint
+from splatflow.render import configure_threads
+from splatflow.train import Trainer
+from splatflow.train import prune_during as pd
+
+
+# --------------------------------------------------------------------------------------------- pure policy
+
+
+def test_cut_steps_evenly_spaced_between_start_and_end():
+    cfg = PruneDuringConfig(enabled=True, start_fraction=0.6, end_fraction=0.8, phases=3)
+    assert pd.cut_steps(cfg, 4000) == [2400, 2800, 3200]
+    assert pd.cut_steps(replace(cfg, phases=1), 4000) == [2400]
+    assert pd.cut_steps(replace(cfg, phases=5, end_fraction=0.9), 1000) == [600, 675, 750, 825, 900]
+
+
+def test_judge_steps_one_interval_after_each_cut():
+    cfg = PruneDuringConfig(enabled=True, start_fraction=0.6, end_fraction=0.75, phases=3)
+    assert pd.cut_steps(cfg, 4000) == [2400, 2700, 3000]
+    assert pd.judge_steps(cfg, 4000) == [2700, 3000, 3300]
+    assert pd.judge_steps(replace(cfg, phases=1), 4000) == [3200]  # half the remaining steps
+    assert pd.judge_steps(replace(cfg, end_fraction=0.95), 1000) == [775, 950, 1000]  # never past max_steps
+
+
+def test_cut_steps_refuse_phases_that_do_not_fit():
+    cfg = PruneDuringConfig(enabled=True, start_fraction=0.6, end_fraction=0.61, phases=5)
+    with pytest.raises(UserError, match="train.prune_during"):
+        pd.cut_steps(cfg, 100)  # 60, 60.25, ... round onto the same steps
+
+
+def test_keep_fractions_geometric_down_to_keep_final():
+    fr = pd.keep_fractions(PruneDuringConfig(phases=3, keep_final=0.1))
+    assert fr == pytest.approx([0.1 ** (1 / 3), 0.1 ** (2 / 3), 0.1])
+    assert all(a > b for a, b in zip(fr, fr[1:]))
+    assert pd.keep_fractions(PruneDuringConfig(phases=1, keep_final=0.25)) == [0.25]
+
+
+def test_sub_cut_sizes_end_at_the_target():
+    assert pd.sub_cut_sizes(1000, 100, 1) == [100]
+    sizes = pd.sub_cut_sizes(1000, 100, 4)
+    assert sizes[-1] == 100 and all(a > b for a, b in zip([1000] + sizes, sizes))
+    assert sizes[1] == round(1000 * 0.1 ** 0.5)
+
+
+def test_acceptance_threshold():
+    assert pd.accepted(28.0, 30.0, 2.0)
+    assert not pd.accepted(27.99, 30.0, 2.0)
+    assert not pd.accepted(29.9, 30.0, 0.0)
+
+
+def test_config_refuses_cuts_during_densification():
+    raw = {"train": {"prune_during": {"enabled": True, "start_fraction": 0.5},
+                     "densify": {"refine_stop_fraction": 0.6}}}
+    with pytest.raises(ConfigError, match="train.prune_during.start_fraction"):
+        params_from_dict(raw)
+    with pytest.raises(ConfigError, match="train.prune_during.keep_final"):
+        params_from_dict({"train": {"prune_during": {"keep_final": 1.0}}})
+    with pytest.raises(ConfigError, match="train.prune_during.end_fraction"):
+        params_from_dict({"train": {"prune_during": {"start_fraction": 0.8, "end_fraction": 0.7}}})
+
+
+# --------------------------------------------------------------------------------------------- model surgery
+
+
+def _params_and_adam(n=10):
+    torch.manual_seed(0)
+    shapes = {"means": (3,), "quats": (4,), "scales": (3,), "opacities": (), "sh0": (1, 3), "shN": (3, 3)}
+    params = {k: torch.nn.Parameter(torch.randn(n, *s)) for k, s in shapes.items()}
+    opts = {k: torch.optim.Adam([p], lr=0.1) for k, p in params.items()}
+    loss = sum((p ** 2).sum() for p in params.values())
+    loss.backward()
+    for o in opts.values():
+        o.step()
+    return params, opts
+
+
+def test_keep_rows_and_restore_carry_parameters_and_adam_moments():
+    params, opts = _params_and_adam()
+    before = {k: p.detach().clone() for k, p in params.items()}
+    moments = {k: opts[k].state[params[k]]["exp_avg"].clone() for k in SPLAT_KEYS}
+    snap = pd.snapshot(params, opts)
+    state = {"grad2d": torch.arange(10.0), "count": torch.ones(10)}
+    rows = torch.tensor([1, 4, 7])
+    pd.keep_rows(params, opts, state, rows)
+    for k in SPLAT_KEYS:
+        assert torch.equal(params[k].detach(), before[k][rows])
+        assert opts[k].param_groups[0]["params"][0] is params[k]
+        assert torch.equal(opts[k].state[params[k]]["exp_avg"], moments[k][rows])
+    assert torch.equal(state["grad2d"], torch.tensor([1.0, 4.0, 7.0]))
+    pd.restore(params, opts, state, snap)
+    for k in SPLAT_KEYS:
+        assert torch.equal(params[k].detach(), before[k])
+        assert torch.equal(opts[k].state[params[k]]["exp_avg"], moments[k])
+    # the optimizer still works on the restored parameters
+    sum((p ** 2).sum() for p in params.values()).backward()
+    for o in opts.values():
+        o.step()
+
+
+# --------------------------------------------------------------------------------------------- in training
+
+
+@pytest.fixture(scope="module")
+def scene(tmp_path_factory):
+    from splatflow.scene.dataset import load_scene
+    from splatflow.scene.synthetic import write_scene
+
+    configure_threads(2)
+    d = tmp_path_factory.mktemp("tiny_scene")
+    write_scene(d, progress=False, n_views=10, width=96, height=72, arc_deg=60, n_points=3000, supersample=1)
+    names = sorted(p.name for p in (d / "images").iterdir())
+    (d / "split.json").write_text(json.dumps({"train": [n for i, n in enumerate(names) if i not in (3, 7)],
+                                              "test": [names[3], names[7]], "rule": "interior"}))
+    return load_scene(d, d / "split.json")
+
+
+def _cfg(max_steps=200, **pdkw) -> TrainConfig:
+    cfg = TrainConfig(max_steps=max_steps, backend="cpu", progress=False, sh_degree_interval=50)
+    pdc = PruneDuringConfig(enabled=True, start_fraction=0.6, end_fraction=0.8, phases=3, keep_final=0.2,
+                            score_rounds=2, score_views=4, max_psnr_drop_db=50.0)
+    return replace(cfg, densify=replace(cfg.densify, refine_every=25, reset_every=0),
+                   early_stop=replace(cfg.early_stop, eval_every=50, val_views=2),
+                   prune_during=replace(pdc, **pdkw))
+
+
+def test_training_cuts_at_the_scheduled_steps_to_the_kept_fractions(scene):
+    counts = {}
+    tr = Trainer(scene, _cfg(), seed=0)
+    orig = tr.pruner.after_step
+
+    def spy(trainer):
+        counts[trainer.step] = trainer.params["means"].shape[0]
+        orig(trainer)
+
+    tr.pruner.after_step = spy
+    res = tr.run()
+    rep = res.prune_during
+    assert rep["cut_steps"] == [120, 140, 160]
+    n_ref = rep["gaussians_before"]
+    assert n_ref == counts[120]  # the count at the first cut
+    fr = pd.keep_fractions(tr.cfg.prune_during)
+    assert [r["gaussians"] for r in rep["phases"]] == [round(f * n_ref) for f in fr]
+    assert [r["step"] for r in rep["phases"]] == [120, 140, 160]
+    assert counts[121] == rep["phases"][0]["gaussians"] and counts[141] == rep["phases"][1]["gaussians"]
+    assert all(r["accepted"] for r in rep["phases"]) and not rep["stopped_early"]
+    assert res.splats["means"].shape[0] == round(0.2 * n_ref) == rep["gaussians_after"]
+    assert res.steps == 200 and math.isfinite(res.val_psnr)
+
+
+def test_early_stop_restores_the_model_before_the_rejected_cut(scene):
+    # the first phase keeps 1% of the Gaussians: no recovery brings that within 1 dB, so it is undone and the
+    # second cut is never made
+    res = Trainer(scene, _cfg(phases=2, keep_final=1e-4, max_psnr_drop_db=1.0), seed=0).run()
+    rep = res.prune_during
+    assert rep["stopped_early"] and len(rep["phases"]) == 1 and rep["phases"][0]["accepted"] is False
+    assert rep["phases"][0]["judged_at_step"] == 160 and res.steps == 200  # the restored model trained on
+    assert "restored" in rep["stop_reason"]
+    assert res.splats["means"].shape[0] == rep["gaussians_before"] == rep["gaussians_after"]
+
+
+def test_resume_mid_pruning_matches_an_uninterrupted_run(scene, tmp_path):
+    full = Trainer(scene, _cfg(), seed=0).run()
+    ck = tmp_path / "ckpt.pt"
+    first = Trainer(scene, _cfg(), seed=0, ckpt_path=ck, stop_after=130).run()
+    assert first.steps == 130
+    saved = load_checkpoint(ck)["prune_during"]
+    assert saved["done"] == 1 and saved["snap"] is not None  # the first phase is not judged yet
+    rest = Trainer(scene, _cfg(), seed=0, ckpt_path=ck).run()
+    assert rest.resumed_from == 130
+    assert [r["gaussians"] for r in rest.prune_during["phases"]] == \
+        [r["gaussians"] for r in full.prune_during["phases"]]
+    assert rest.splats["means"].shape == full.splats["means"].shape
+
+
+def test_prune_stage_verifies_and_copies_a_model_pruned_in_training(scene, tmp_path):
+    from splatflow.config import PruneConfig
+    from splatflow.prune import run_prune
+
+    ck = tmp_path / "train.pt"
+    res = Trainer(scene, _cfg(), seed=0, ckpt_path=ck).run()
+    m = run_prune(PruneConfig(backend="cpu", progress=False, val_views=2), _cfg(), train_ckpt=ck,
+                  out_ckpt=tmp_path / "prune.pt", scene=scene)
+    n = res.splats["means"].shape[0]
+    assert m["gaussians_after"] == n and m["gaussians_before"] == res.prune_during["gaussians_before"]
+    assert "pruned during training" in m["stop_reason"] and len(m["phases"]) == 3
+    out = load_checkpoint(tmp_path / "prune.pt")["splats"]
+    assert all(torch.equal(out[k], res.splats[k]) for k in SPLAT_KEYS)
+
+
+def test_off_by_default_and_no_pruner_in_finetune(scene):
+    assert not TrainConfig().prune_during.enabled
+    assert Trainer(scene, replace(_cfg(), prune_during=PruneDuringConfig()), seed=0).pruner is None
+    assert Trainer(scene, _cfg(), seed=0, densify=False).pruner is None  # recovery fine-tunes never cut
+
+
+@pytest.mark.parametrize("keep_final, tol", [(0.2, 50.0), (1e-4, 1.0)])  # all phases kept / the first one undone
+def test_cuts_and_undo_allocate_only_on_the_run_device(scene, keep_final, tol):
+    # any tensor made without an explicit device lands on `meta` and cannot mix with the run's CPU tensors
+    torch.set_default_device("meta")
+    try:
+        res = Trainer(scene, _cfg(max_steps=100, phases=2, keep_final=keep_final, max_psnr_drop_db=tol),
+                      seed=0).run()
+    finally:
+        torch.set_default_device(None)
+    assert all(v.device.type == "cpu" for v in res.splats.values())
+    assert res.prune_during["cuts"] >= 1 and res.prune_during["stopped_early"] == (tol == 1.0)
