@@ -31,7 +31,8 @@ def proj(tmp_path_factory):
     root = make_project(tmp_path_factory.mktemp("stop") / "proj", overrides={
         "base": {"threads": 1},
         "train": {"max_steps": 40, "progress": False, "log_every": 5, "checkpoint_every": 1000,
-                  "early_stop": {"enabled": False}},
+                  "early_stop": {"enabled": False},
+                  "prune_during": {"enabled": False}},  # the prune stage's own phases are what is drilled here
         "prune": {"phases": 3, "finetune_steps": 15, "progress": False, "val_views": 2, "score_rounds": 1},
     })
     dvc(root, "repro", f"split@{SCENE}")
