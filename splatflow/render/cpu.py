@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from . import _kernels as K
+from .constants import TILE
 from .projection import tile_grid
 
 
@@ -53,7 +54,7 @@ class _RasterizeTiles(torch.autograd.Function):
         C, N, D = colors.shape
         dt = colors.dtype
         G = C * N
-        tiles_x, tiles_y = tile_grid(width, height, K.TILE)
+        tiles_x, tiles_y = tile_grid(width, height, TILE)
         offsets, ids, m2, con, col, op, rad, bg = _binned(means2d, conics, colors, opacities, radii, depths,
                                                           backgrounds, tiles_x, tiles_y)
         out, T_final, last, isect_w, isect_hits = K.rasterize_fwd(
@@ -212,7 +213,7 @@ def removal_loss_cpu(means2d: Tensor, conics: Tensor, colors: Tensor, opacities:
     Gaussian whose removal makes the image better. One forward and one backward pass of the kernels.
     """
     C, N, D = colors.shape
-    tiles_x, tiles_y = tile_grid(width, height, K.TILE)
+    tiles_x, tiles_y = tile_grid(width, height, TILE)
     offsets, ids, m2, con, col, op, rad, bg = _binned(means2d, conics, colors, opacities, radii, depths,
                                                       backgrounds, tiles_x, tiles_y)
     fast = colors.dtype == torch.float32
