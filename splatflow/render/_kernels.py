@@ -13,8 +13,10 @@ radius rectangle. The radius is opacity aware (see :mod:`.projection`), so every
 ``alpha < 1/255`` and gsplat would skip it too; the tests check this against the dense oracle, which evaluates
 every pixel of every listed tile.
 
-The kernels are always called with float64 arrays (``cpu.py`` converts), so numba compiles one specialisation,
-and all per-pixel state (transmittance, colour sums) is float64. The two compositing kernels use ``fastmath``
+The per-Gaussian and per-pixel input arrays come in the caller's dtype (float32 in training, float64 in
+``gradcheck``; numba compiles one specialisation per dtype). Every value is read into float64 and all per-pixel
+state (transmittance, colour sums) and gradient sums are float64, so a float32 array gives exactly the result its
+float64 copy would, without the copy. The two compositing kernels use ``fastmath``
 (fused multiply-add, reassociation; no NaN/inf reach them): 10% less CPU time at 10K Gaussians, outputs equal to
 1e-15. The one exception is ``exp(-sigma)``, evaluated in float32
 (as gsplat does with ``__expf``) when the caller's tensors are float32: it is the most frequent operation and float32 ``expf`` is about twice as fast.

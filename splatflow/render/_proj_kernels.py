@@ -3,7 +3,9 @@
 Same math as :mod:`.projection` (which the torch oracle differentiates with autograd; the tests compare the two).
 Forward runs in parallel over Gaussians and loops over cameras; backward recomputes the forward quantities of one
 Gaussian and accumulates its gradient over cameras in registers, so it is race free without any reduction.
-All arithmetic is float64 (the caller passes float64 arrays, so one specialisation is compiled).
+All arithmetic is float64: the per-Gaussian arrays come in the caller's dtype (float32 in training, float64 in
+``gradcheck``; one compiled specialisation each) and every value is read into float64; outputs are in the
+inputs' dtype, gradients float64.
 
 Every step of the chain is a small inlined helper with its VJP twin next to it (``_load_gaussian`` /
 ``_load_gaussian_vjp``, ``_world_to_cam`` / ``_world_to_cam_vjp``, ...), and both kernels call the same forward
