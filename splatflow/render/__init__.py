@@ -19,6 +19,7 @@ from torch import Tensor
 
 from splatflow.errors import UserError
 
+from .constants import TILE
 from .projection import gaussian_colors, project_gaussians, tile_grid
 from .threads import configure_threads, warmup
 
@@ -26,7 +27,6 @@ __all__ = ["rasterize", "removal_loss", "resolve_backend", "configure_threads", 
            "BACKENDS"]
 
 BACKENDS = ("auto", "cpu", "cuda", "torch")
-TILE_SIZE = 16
 
 
 class CudaUnavailableError(UserError):
@@ -187,7 +187,7 @@ def rasterize(
     if render_mode == "RGB+ED":
         img = torch.cat([img[..., :-1], img[..., -1:] / alpha.clamp(min=1e-10)], dim=-1)
 
-    tw, th = tile_grid(out_w, out_h, TILE_SIZE)
+    tw, th = tile_grid(out_w, out_h, TILE)
     info: dict[str, Any] = {
         "backend": name,
         "batch_ids": None,
@@ -200,7 +200,7 @@ def rasterize(
         "opacities": proj["opacities"],
         "width": width,
         "height": height,
-        "tile_size": TILE_SIZE,
+        "tile_size": TILE,
         "tile_width": tw,
         "tile_height": th,
         "n_batches": 1,

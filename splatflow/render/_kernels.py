@@ -13,8 +13,10 @@ radius rectangle. The radius is opacity aware (see :mod:`.projection`), so every
 ``alpha < 1/255`` and gsplat would skip it too; the tests check this against the dense oracle, which evaluates
 every pixel of every listed tile.
 
-The kernels are always called with float64 arrays (``cpu.py`` converts), so numba compiles one specialisation,
-and all per-pixel state (transmittance, colour sums) is float64. The two compositing kernels use ``fastmath``
+The per-Gaussian and per-pixel input arrays come in the caller's dtype (float32 in training, float64 in
+``gradcheck``; numba compiles one specialisation per dtype). Every value is read into float64 and all per-pixel
+state (transmittance, colour sums) and gradient sums are float64, so a float32 array gives exactly the result its
+float64 copy would, without the copy. The two compositing kernels use ``fastmath``
 (fused multiply-add, reassociation; no NaN/inf reach them): 10% less CPU time at 10K Gaussians, outputs equal to
 1e-15. The one exception is ``exp(-sigma)``, evaluated in float32
 (as gsplat does with ``__expf``) when the caller's tensors are float32: it is the most frequent operation and float32 ``expf`` is about twice as fast.
@@ -27,10 +29,7 @@ import math
 import numba as nb
 import numpy as np
 
-TILE = 16
-ALPHA_MAX = 0.999  # gsplat 1.5.3: min(0.999f, opac * exp(-sigma))
-ALPHA_MIN = 1.0 / 255.0
-T_MIN = 1e-4
+from .constants import ALPHA_MAX, ALPHA_MIN, T_MIN, TILE
 
 
 @nb.njit(parallel=True, cache=True)
@@ -112,6 +111,12 @@ def _strided(i, per, n_par):
     return (i % per) * n_par + i // per
 
 
+@nb.njit(cache=True, inline="always")
+def _tile_split(n_tot, n_par):
+    """The n_tot tiles as n_par blocks of ``per`` loop indices (see :func:`_strided`); returns n_tot, per."""
+    return n_tot, (n_tot + n_par - 1) // n_par
+
+
 _POW2_NEG = 2.0 ** -np.arange(128, dtype=np.float64)  # 2^-n, n = 0..127 (a compile-time constant in numba)
 
 
@@ -139,6 +144,56 @@ def _exp(sigma, fast_exp):
 
 
 @nb.njit(cache=True, inline="always")
+def _tile_origin(t, n_tiles, tiles_x, width, height):
+    """Camera of tile t, its top-left pixel and its size (tiles at the right and bottom edges may be partial)."""
+    cam = t // n_tiles
+    tl = t - cam * n_tiles
+    ty = tl // tiles_x
+    tx = tl - ty * tiles_x
+    px0 = tx * TILE
+    py0 = ty * TILE
+    return cam, px0, py0, min(TILE, width - px0), min(TILE, height - py0)
+
+
+@nb.njit(cache=True, inline="always")
+def _load_splat(means2d, conics, opacities, radii, g, px0, py0, pw, ph):
+    """Row g, as the pixel loops need it: mean, the pixels of the tile inside its radius rectangle [xa, xb] x
+    [ya, yb] (empty when xa > xb or ya > yb, and then the rest is not read), conic (ca, cb, cc), opacity and the
+    largest sigma that can still reach alpha >= 1/255."""
+    mx = np.float64(means2d[g, 0])
+    my = np.float64(means2d[g, 1])
+    xa, xb, ya, yb = _pixel_rect(mx, my, radii[g, 0], radii[g, 1], px0, py0, pw, ph)
+    if xa > xb or ya > yb:
+        return mx, my, xa, xb, ya, yb, 0.0, 0.0, 0.0, 0.0, 0.0
+    op = np.float64(opacities[g])
+    return (mx, my, xa, xb, ya, yb, np.float64(conics[g, 0]), np.float64(conics[g, 1]), np.float64(conics[g, 2]),
+            op, math.log(op / ALPHA_MIN))
+
+
+@nb.njit(cache=True, inline="always")
+def _alpha_at(dx, dy, ca, cb, cc, op, fast_exp):
+    """alpha = min(ALPHA_MAX, op exp(-sigma)) at offset (dx, dy) from the mean; also the unclamped op exp(-sigma)
+    and exp(-sigma). A negative sigma (not a valid conic there) gives alpha 0, which every caller skips."""
+    sigma = 0.5 * (ca * dx * dx + cc * dy * dy) + cb * dx * dy
+    if sigma < 0.0:
+        return 0.0, 0.0, 0.0
+    vis = _exp(sigma, fast_exp)
+    a0 = op * vis
+    return min(ALPHA_MAX, a0), a0, vis
+
+
+@nb.njit(cache=True, inline="always")
+def _alpha_at_vjp(v_alpha, a0, vis, dx, dy, ca, cb, cc):
+    """Adjoint of :func:`_alpha_at` for dL/dalpha: dL/d(ca, cb, cc), dL/d(mean x, mean y), dL/dopacity (all zero
+    where alpha is clamped at ALPHA_MAX)."""
+    if a0 > ALPHA_MAX:
+        return 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
+    v_sigma = -a0 * v_alpha
+    return (0.5 * v_sigma * dx * dx, v_sigma * dx * dy, 0.5 * v_sigma * dy * dy,
+            v_sigma * (ca * dx + cb * dy), v_sigma * (cb * dx + cc * dy), vis * v_alpha)
+
+
+@nb.njit(cache=True, inline="always")
 def _row_span(mx, dy, ca, cb, cc, s_max, xa, xb):
     """Pixels of one row that can reach ``sigma <= s_max`` (i.e. ``alpha >= 1/255``), clipped to [xa, xb].
 
@@ -155,6 +210,15 @@ def _row_span(mx, dy, ca, cb, cc, s_max, xa, xb):
     lo = max(xa, int(math.ceil(mx - dx_hi - 0.5 - 1e-3)))
     hi = min(xb, int(math.floor(mx - dx_lo - 0.5 + 1e-3)))
     return lo, hi
+
+
+@nb.njit(cache=True, inline="always")
+def _pixel_row(py, px0, py0, mx, my, ca, cb, cc, s_max, xa, xb):
+    """Pixel row py of a tile: dy from the mean, the row's offset into the tile's pixel arrays (add px), and the
+    span [lo, hi] of pixels that can reach alpha >= 1/255."""
+    dy = my - (py + 0.5)
+    lo, hi = _row_span(mx, dy, ca, cb, cc, s_max, xa, xb)
+    return dy, (py - py0) * TILE - px0, lo, hi
 
 
 @nb.njit(parallel=True, cache=True, fastmath=True)
@@ -175,20 +239,12 @@ def rasterize_fwd(offsets, ids, means2d, conics, colors, opacities, radii, backg
     n_stats = M if want_stats else 0
     isect_w = np.zeros(n_stats, np.float64)
     isect_hits = np.zeros(n_stats, np.int32)
-    n_tot = n_cams * n_tiles
-    per = (n_tot + n_par - 1) // n_par
+    n_tot, per = _tile_split(n_cams * n_tiles, n_par)
     for i in nb.prange(per * n_par):
         t = _strided(i, per, n_par)
         if t >= n_tot:
             continue
-        cam = t // n_tiles
-        tl = t - cam * n_tiles
-        ty = tl // tiles_x
-        tx = tl - ty * tiles_x
-        px0 = tx * TILE
-        py0 = ty * TILE
-        pw = min(TILE, width - px0)
-        ph = min(TILE, height - py0)
+        cam, px0, py0, pw, ph = _tile_origin(t, n_tiles, tiles_x, width, height)
         n_px = pw * ph
         Tl = np.ones(TILE * TILE, np.float64)
         acc = np.zeros((TILE * TILE, D), np.float64)
@@ -198,32 +254,21 @@ def rasterize_fwd(offsets, ids, means2d, conics, colors, opacities, radii, backg
         for k in range(offsets[t], offsets[t + 1]):
             if n_done >= n_px:
                 break
-            g = ids[k]
-            mx = np.float64(means2d[g, 0])
-            my = np.float64(means2d[g, 1])
-            xa, xb, ya, yb = _pixel_rect(mx, my, radii[g, 0], radii[g, 1], px0, py0, pw, ph)
-            if xa > xb or ya > yb:
-                continue
-            ca = np.float64(conics[g, 0])
-            cb = np.float64(conics[g, 1])
-            cc = np.float64(conics[g, 2])
-            op = np.float64(opacities[g])
-            s_max = math.log(op / ALPHA_MIN)
             wsum = 0.0
             nh = 0
+            g = ids[k]
+            mx, my, xa, xb, ya, yb, ca, cb, cc, op, s_max = _load_splat(
+                means2d, conics, opacities, radii, g, px0, py0, pw, ph)
+            if xa > xb or ya > yb:
+                continue
             for py in range(ya, yb + 1):
-                dy = my - (py + 0.5)
-                row = (py - py0) * TILE - px0
-                lo, hi = _row_span(mx, dy, ca, cb, cc, s_max, xa, xb)
+                dy, row, lo, hi = _pixel_row(py, px0, py0, mx, my, ca, cb, cc, s_max, xa, xb)
                 for px in range(lo, hi + 1):
                     li = row + px
                     if done[li]:
                         continue
                     dx = mx - (px + 0.5)
-                    sigma = 0.5 * (ca * dx * dx + cc * dy * dy) + cb * dx * dy
-                    if sigma < 0.0:
-                        continue
-                    alpha = min(ALPHA_MAX, op * _exp(sigma, fast_exp))
+                    alpha, _a0, _vis = _alpha_at(dx, dy, ca, cb, cc, op, fast_exp)
                     if alpha < ALPHA_MIN:
                         continue
                     T = Tl[li]
@@ -288,8 +333,7 @@ def rasterize_bwd(offsets, ids, means2d, conics, colors, opacities, radii, backg
     M = ids.shape[0]
     NG = 8 + D + (2 if want_removal else 0)
     per_isect = np.zeros((M, NG), np.float64)
-    n_tot = n_cams * n_tiles
-    per = (n_tot + n_par - 1) // n_par
+    n_tot, per = _tile_split(n_cams * n_tiles, n_par)
     for i in nb.prange(per * n_par):
         t = _strided(i, per, n_par)
         if t >= n_tot:
@@ -297,14 +341,7 @@ def rasterize_bwd(offsets, ids, means2d, conics, colors, opacities, radii, backg
         start = offsets[t]
         if offsets[t + 1] == start:
             continue
-        cam = t // n_tiles
-        tl = t - cam * n_tiles
-        ty = tl // tiles_x
-        tx = tl - ty * tiles_x
-        px0 = tx * TILE
-        py0 = ty * TILE
-        pw = min(TILE, width - px0)
-        ph = min(TILE, height - py0)
+        cam, px0, py0, pw, ph = _tile_origin(t, n_tiles, tiles_x, width, height)
         Tl = np.ones(TILE * TILE, np.float64)
         Tf = np.ones(TILE * TILE, np.float64)
         buf = np.zeros((TILE * TILE, D), np.float64)
@@ -330,16 +367,10 @@ def rasterize_bwd(offsets, ids, means2d, conics, colors, opacities, radii, backg
         vcol = np.zeros(D, np.float64)
         for k in range(max_last, start - 1, -1):
             g = ids[k]
-            mx = np.float64(means2d[g, 0])
-            my = np.float64(means2d[g, 1])
-            xa, xb, ya, yb = _pixel_rect(mx, my, radii[g, 0], radii[g, 1], px0, py0, pw, ph)
+            mx, my, xa, xb, ya, yb, ca, cb, cc, op, s_max = _load_splat(
+                means2d, conics, opacities, radii, g, px0, py0, pw, ph)
             if xa > xb or ya > yb:
                 continue
-            ca = np.float64(conics[g, 0])
-            cb = np.float64(conics[g, 1])
-            cc = np.float64(conics[g, 2])
-            op = np.float64(opacities[g])
-            s_max = math.log(op / ALPHA_MIN)
             v_mx = 0.0
             v_my = 0.0
             v_ca = 0.0
@@ -353,20 +384,13 @@ def rasterize_bwd(offsets, ids, means2d, conics, colors, opacities, radii, backg
             for d in range(D):
                 vcol[d] = 0.0
             for py in range(ya, yb + 1):
-                dy = my - (py + 0.5)
-                row = (py - py0) * TILE - px0
-                lo, hi = _row_span(mx, dy, ca, cb, cc, s_max, xa, xb)
+                dy, row, lo, hi = _pixel_row(py, px0, py0, mx, my, ca, cb, cc, s_max, xa, xb)
                 for px in range(lo, hi + 1):
                     li = row + px
                     if k > last[li]:
                         continue
                     dx = mx - (px + 0.5)
-                    sigma = 0.5 * (ca * dx * dx + cc * dy * dy) + cb * dx * dy
-                    if sigma < 0.0:
-                        continue
-                    vis = _exp(sigma, fast_exp)
-                    a0 = op * vis
-                    alpha = min(ALPHA_MAX, a0)
+                    alpha, a0, vis = _alpha_at(dx, dy, ca, cb, cc, op, fast_exp)
                     if alpha < ALPHA_MIN:
                         continue
                     ra = 1.0 / (1.0 - alpha)
@@ -385,18 +409,15 @@ def rasterize_bwd(offsets, ids, means2d, conics, colors, opacities, radii, backg
                     v_alpha += Tf[li] * ra * va[li]
                     if want_removal:
                         rem_lin += alpha * v_alpha
-                    if a0 <= ALPHA_MAX:
-                        v_sigma = -a0 * v_alpha
-                        v_ca += 0.5 * v_sigma * dx * dx
-                        v_cb += v_sigma * dx * dy
-                        v_cc += 0.5 * v_sigma * dy * dy
-                        gx = v_sigma * (ca * dx + cb * dy)
-                        gy = v_sigma * (cb * dx + cc * dy)
-                        v_mx += gx
-                        v_my += gy
-                        abs_x += abs(gx)
-                        abs_y += abs(gy)
-                        v_op += vis * v_alpha
+                    g_ca, g_cb, g_cc, gx, gy, g_op = _alpha_at_vjp(v_alpha, a0, vis, dx, dy, ca, cb, cc)
+                    v_ca += g_ca
+                    v_cb += g_cb
+                    v_cc += g_cc
+                    v_mx += gx
+                    v_my += gy
+                    abs_x += abs(gx)
+                    abs_y += abs(gy)
+                    v_op += g_op
             per_isect[k, 0] = v_mx
             per_isect[k, 1] = v_my
             per_isect[k, 2] = v_ca

@@ -3,7 +3,13 @@
 Same math as :mod:`.projection` (which the torch oracle differentiates with autograd; the tests compare the two).
 Forward runs in parallel over Gaussians and loops over cameras; backward recomputes the forward quantities of one
 Gaussian and accumulates its gradient over cameras in registers, so it is race free without any reduction.
-All arithmetic is float64 (the caller passes float64 arrays, so one specialisation is compiled).
+All arithmetic is float64: the per-Gaussian arrays come in the caller's dtype (float32 in training, float64 in
+``gradcheck``; one compiled specialisation each) and every value is read into float64; outputs are in the
+inputs' dtype, gradients float64.
+
+Every step of the chain is a small inlined helper with its VJP twin next to it (``_load_gaussian`` /
+``_load_gaussian_vjp``, ``_world_to_cam`` / ``_world_to_cam_vjp``, ...), and both kernels call the same forward
+helpers, so the backward recomputes exactly what the forward computed.
 
 Backward chain for one (camera, Gaussian) pair, with G = dL/d(conic) as a symmetric matrix:
 conic = inverse(S2)            -> dL/dS2 = -Q G Q (Q = conic matrix)
@@ -21,7 +27,7 @@ import math
 import numba as nb
 import numpy as np
 
-from .projection import ALPHA_THRESHOLD, SH_C0, SH_C1, SH_C2, SH_C3
+from .constants import ALPHA_MIN, EXTEND_MAX, SH_C0, SH_C1, SH_C2, SH_C3
 
 C20, C21, C22, C23, C24 = SH_C2
 C30, C31, C32, C33, C34, C35, C36 = SH_C3
@@ -141,8 +147,10 @@ def _sandwich_t_add(V, c, S, tmp, out):
 
 
 @nb.njit(cache=True, inline="always")
-def _camera_space(means, quats, scales, viewmats, n, c):
-    """Camera-space mean p, world covariance terms (R, s, |q|, qn) and camera covariance Sc (symmetric 3x3)."""
+def _load_gaussian(means, quats, scales, opacities, n, R, M, Sig):
+    """Gaussian n: unit quaternion (w, x, y, z) and |q|, mean and opacity; its rotation (row major, 9 entries),
+    M = R diag(s) and Sigma = M M^T are written into R, M and Sig (scratch arrays: numba's array analysis
+    rejects a tuple returned through two inlined levels)."""
     qw = np.float64(quats[n, 0])
     qx = np.float64(quats[n, 1])
     qy = np.float64(quats[n, 2])
@@ -153,7 +161,231 @@ def _camera_space(means, quats, scales, viewmats, n, c):
     x = qx / qnorm
     y = qy / qnorm
     z = qz / qnorm
-    return w, x, y, z, qnorm
+    r = _rotmat(w, x, y, z)
+    for i in range(9):
+        R[i] = r[i]
+    for i in range(3):
+        for j in range(3):
+            M[i, j] = R[3 * i + j] * np.float64(scales[n, j])
+    _mmt(M, M, Sig)
+    mx = np.float64(means[n, 0])
+    my = np.float64(means[n, 1])
+    mz = np.float64(means[n, 2])
+    return w, x, y, z, qnorm, mx, my, mz, np.float64(opacities[n])
+
+
+@nb.njit(cache=True, inline="always")
+def _load_gaussian_vjp(vSig, M, R, w, x, y, z, qnorm, scales, n, vR, g_scales, g_quats):
+    """Adjoint of :func:`_load_gaussian` for Sigma: dL/dM = 2 vSig M (vSig symmetric), then the scales and,
+    through R(q / |q|), the raw quaternion (written into row n of g_scales and g_quats)."""
+    for i in range(3):
+        for j in range(3):
+            vMij = 2.0 * (vSig[i, 0] * M[0, j] + vSig[i, 1] * M[1, j] + vSig[i, 2] * M[2, j])
+            g_scales[n, j] += vMij * R[3 * i + j]
+            vR[3 * i + j] = vMij * np.float64(scales[n, j])
+    V00, V01, V02, V10, V11, V12, V20, V21, V22 = vR[0], vR[1], vR[2], vR[3], vR[4], vR[5], vR[6], vR[7], vR[8]
+    dw = 2.0 * (-z * V01 + y * V02 + z * V10 - x * V12 - y * V20 + x * V21)
+    dx_ = 2.0 * (y * V01 + z * V02 + y * V10 - 2.0 * x * V11 - w * V12 + z * V20 + w * V21 - 2.0 * x * V22)
+    dy_ = 2.0 * (-2.0 * y * V00 + x * V01 + w * V02 + x * V10 + z * V12 - w * V20 + z * V21 - 2.0 * y * V22)
+    dz_ = 2.0 * (-2.0 * z * V00 - w * V01 + x * V02 + w * V10 - 2.0 * z * V11 + y * V12 + x * V20 + y * V21)
+    dot = dw * w + dx_ * x + dy_ * y + dz_ * z
+    g_quats[n, 0] = (dw - w * dot) / qnorm
+    g_quats[n, 1] = (dx_ - x * dot) / qnorm
+    g_quats[n, 2] = (dy_ - y * dot) / qnorm
+    g_quats[n, 3] = (dz_ - z * dot) / qnorm
+
+
+@nb.njit(cache=True, inline="always")
+def _world_to_cam(viewmats, c, mx, my, mz):
+    """Camera-space mean p = W m + t of camera c."""
+    V = viewmats
+    return (V[c, 0, 0] * mx + V[c, 0, 1] * my + V[c, 0, 2] * mz + V[c, 0, 3],
+            V[c, 1, 0] * mx + V[c, 1, 1] * my + V[c, 1, 2] * mz + V[c, 1, 3],
+            V[c, 2, 0] * mx + V[c, 2, 1] * my + V[c, 2, 2] * mz + V[c, 2, 3])
+
+
+@nb.njit(cache=True, inline="always")
+def _world_to_cam_vjp(viewmats, c, vpx, vpy, vpz):
+    """dL/dm = W^T dL/dp (the covariance part, Sc = W Sigma W^T, is :func:`_sandwich_t_add`)."""
+    V = viewmats
+    return (V[c, 0, 0] * vpx + V[c, 1, 0] * vpy + V[c, 2, 0] * vpz,
+            V[c, 0, 1] * vpx + V[c, 1, 1] * vpy + V[c, 2, 1] * vpz,
+            V[c, 0, 2] * vpx + V[c, 1, 2] * vpy + V[c, 2, 2] * vpz)
+
+
+@nb.njit(cache=True, inline="always")
+def _persp_jacobian(Ks, c, width, height, px, py, pz):
+    """Pinhole intrinsics of camera c and the Jacobian of the projection at p, taken with x/z and y/z clamped to
+    1.3x the field of view. Returns fx, fy, cx, cy, rz = 1/z, the clamped ux, uy, whether each was left
+    unclamped (x_free, y_free), and J's non-zero entries J00, J02, J11, J12."""
+    fx = np.float64(Ks[c, 0, 0])
+    fy = np.float64(Ks[c, 1, 1])
+    cx = np.float64(Ks[c, 0, 2])
+    cy = np.float64(Ks[c, 1, 2])
+    tan_fovx = 0.5 * width / fx
+    tan_fovy = 0.5 * height / fy
+    lim_xp = (width - cx) / fx + 0.3 * tan_fovx
+    lim_xn = cx / fx + 0.3 * tan_fovx
+    lim_yp = (height - cy) / fy + 0.3 * tan_fovy
+    lim_yn = cy / fy + 0.3 * tan_fovy
+    rz = 1.0 / pz
+    ux_raw = px * rz
+    uy_raw = py * rz
+    ux = min(lim_xp, max(-lim_xn, ux_raw))
+    uy = min(lim_yp, max(-lim_yn, uy_raw))
+    x_free = ux_raw <= lim_xp and ux_raw >= -lim_xn
+    y_free = uy_raw <= lim_yp and uy_raw >= -lim_yn
+    return fx, fy, cx, cy, rz, ux, uy, x_free, y_free, fx * rz, -fx * ux * rz, fy * rz, -fy * uy * rz
+
+
+@nb.njit(cache=True, inline="always")
+def _persp_jacobian_vjp(fx, fy, rz, px, py, ux, uy, x_free, y_free, vJ00, vJ02, vJ11, vJ12, v_m2x, v_m2y, v_depth):
+    """dL/dp from the gradients of J's entries, of the 2D mean (fx px / pz + cx, fy py / pz + cy) and of the
+    depth pz (the clamped ux, uy pass no gradient to p)."""
+    rz2 = rz * rz
+    vpx = fx * rz * v_m2x
+    vpy = fy * rz * v_m2y
+    vpz = -fx * px * rz2 * v_m2x - fy * py * rz2 * v_m2y + v_depth
+    vpz += -fx * rz2 * vJ00 - fy * rz2 * vJ11
+    # J02 = -fx * ux / pz
+    vpz += fx * ux * rz2 * vJ02
+    if x_free:  # ux = px / pz
+        vpx += -fx * rz * rz * vJ02
+        vpz += -fx * rz * (-px * rz2) * vJ02
+    vpz += fy * uy * rz2 * vJ12
+    if y_free:
+        vpy += -fy * rz * rz * vJ12
+        vpz += -fy * rz * (-py * rz2) * vJ12
+    return vpx, vpy, vpz
+
+
+@nb.njit(cache=True, inline="always")
+def _cov2d(J00, J02, J11, J12, Sc):
+    """cov2d = J Sc J^T with J = [[J00, 0, J02], [0, J11, J12]]: its entries a, b, c (before the eps2d filter)."""
+    a0 = J00 * J00 * Sc[0, 0] + 2.0 * J00 * J02 * Sc[0, 2] + J02 * J02 * Sc[2, 2]
+    b0 = J00 * J11 * Sc[0, 1] + J00 * J12 * Sc[0, 2] + J02 * J11 * Sc[2, 1] + J02 * J12 * Sc[2, 2]
+    c0 = J11 * J11 * Sc[1, 1] + 2.0 * J11 * J12 * Sc[1, 2] + J12 * J12 * Sc[2, 2]
+    return a0, b0, c0
+
+
+@nb.njit(cache=True, inline="always")
+def _cov2d_vjp(J00, J02, J11, J12, Sc, V00, V01, V11, vSc):
+    """For V = dL/dcov2d (symmetric): dL/dSc = J^T V J (written into vSc); returns dL/dJ = 2 V J Sc's entries
+    at J00, J02, J11, J12."""
+    j0 = (J00, 0.0, J02)
+    j1 = (0.0, J11, J12)
+    for i in range(3):
+        for k in range(3):
+            vSc[i, k] = V00 * j0[i] * j0[k] + V01 * (j0[i] * j1[k] + j1[i] * j0[k]) + V11 * j1[i] * j1[k]
+    js00 = J00 * Sc[0, 0] + J02 * Sc[2, 0]
+    js01 = J00 * Sc[0, 1] + J02 * Sc[2, 1]
+    js02 = J00 * Sc[0, 2] + J02 * Sc[2, 2]
+    js10 = J11 * Sc[1, 0] + J12 * Sc[2, 0]
+    js11 = J11 * Sc[1, 1] + J12 * Sc[2, 1]
+    js12 = J11 * Sc[1, 2] + J12 * Sc[2, 2]
+    return (2.0 * (V00 * js00 + V01 * js10), 2.0 * (V00 * js02 + V01 * js12),
+            2.0 * (V01 * js01 + V11 * js11), 2.0 * (V01 * js02 + V11 * js12))
+
+
+@nb.njit(cache=True, inline="always")
+def _conic(a0, b0, c0, eps2d):
+    """The eps2d-filtered covariance (a, b0, cc), its determinant, and det(S) / det(S + eps I) (the square of the
+    antialiasing compensation; 0 when the filtered covariance is not positive definite)."""
+    a = a0 + eps2d
+    cc = c0 + eps2d
+    det = a * cc - b0 * b0
+    r = (a0 * c0 - b0 * b0) / det if det > 0.0 else 0.0
+    return a, cc, det, r
+
+
+@nb.njit(cache=True, inline="always")
+def _conic_vjp(a0, b0, c0, a, cc, det, r, op, antialiased, v_op_eff, gA, gB, gC):
+    """Adjoint of :func:`_conic` and the compensation: returns dL/d(a0, b0, c0) as (v_a, v_b, v_c) for a symmetric
+    b (both off-diagonal entries) and dL/d(opacity), from dL/d(conic) (gA, 2 gB, gC) and dL/d(compensated
+    opacity). conic = inverse(S2) -> dL/dS2 = -Q G Q with G = [[gA, gB], [gB, gC]]."""
+    v_a = 0.0
+    v_b = 0.0
+    v_c = 0.0
+    gop = 0.0
+    if antialiased:
+        if r > 0.0:
+            comp = math.sqrt(r)
+            gop = v_op_eff * comp
+            v_r = v_op_eff * op * 0.5 / comp
+            v_a += v_r * (c0 - r * cc) / det
+            v_c += v_r * (a0 - r * a) / det
+            v_b += v_r * (-2.0 * b0 * (1.0 - r)) / det
+    else:
+        gop = v_op_eff
+    QA = cc / det
+    QB = -b0 / det
+    QC = a / det
+    # T = G Q
+    T00 = gA * QA + gB * QB
+    T01 = gA * QB + gB * QC
+    T10 = gB * QA + gC * QB
+    T11 = gB * QB + gC * QC
+    # -Q T
+    v_a += -(QA * T00 + QB * T10)
+    v_c += -(QB * T01 + QC * T11)
+    v_b += -((QA * T01 + QB * T11) + (QB * T00 + QC * T10))
+    return v_a, v_b, v_c, gop
+
+
+@nb.njit(cache=True, inline="always")
+def _view_bases(sh_degree, mx, my, mz, campos, c, bases):
+    """SH bases at the unit direction from camera c to the mean (into ``bases``); returns that direction and
+    1 / distance (zeros for degree 0, whose only basis is constant)."""
+    if sh_degree > 0:
+        dx = mx - campos[c, 0]
+        dy = my - campos[c, 1]
+        dz = mz - campos[c, 2]
+        inv = 1.0 / max(math.sqrt(dx * dx + dy * dy + dz * dz), 1e-12)
+        ex = dx * inv
+        ey = dy * inv
+        ez = dz * inv
+        _sh_bases(sh_degree, ex, ey, ez, bases)
+        return ex, ey, ez, inv
+    bases[0] = SH_C0
+    return 0.0, 0.0, 0.0, 0.0
+
+
+@nb.njit(cache=True, inline="always")
+def _sh_channel(bases, sh, n, ch, nb_):
+    """Unclamped colour of channel ch: 0.5 + sum_k basis_k sh[n, k, ch] (the colour is its positive part)."""
+    v = 0.0
+    for k in range(nb_):
+        v += bases[k] * sh[n, k, ch]
+    return v + 0.5
+
+
+@nb.njit(cache=True, inline="always")
+def _sh_color(sh_degree, mx, my, mz, campos, c, sh, n, bases, colors):
+    """colors[c, n] = max(0, 0.5 + SH(direction from camera c))."""
+    _view_bases(sh_degree, mx, my, mz, campos, c, bases)
+    nb_ = (sh_degree + 1) * (sh_degree + 1)
+    for ch in range(3):
+        colors[c, n, ch] = max(_sh_channel(bases, sh, n, ch, nb_), 0.0)
+
+
+@nb.njit(cache=True, inline="always")
+def _sh_color_vjp(sh_degree, mx, my, mz, campos, c, sh, n, bases, vb, v_colors, g_sh):
+    """Adjoint of :func:`_sh_color`: adds dL/dsh into g_sh[n] and returns dL/dmean through the view direction."""
+    ex, ey, ez, inv = _view_bases(sh_degree, mx, my, mz, campos, c, bases)
+    nb_ = (sh_degree + 1) * (sh_degree + 1)
+    for k in range(nb_):
+        vb[k] = 0.0
+    for ch in range(3):
+        if _sh_channel(bases, sh, n, ch, nb_) > 0.0:
+            gcol = np.float64(v_colors[c, n, ch])
+            for k in range(nb_):
+                g_sh[n, k, ch] += bases[k] * gcol
+                vb[k] += sh[n, k, ch] * gcol
+    if sh_degree == 0:
+        return 0.0, 0.0, 0.0
+    gx, gy, gz = _sh_bases_vjp(sh_degree, ex, ey, ez, vb)
+    dot = gx * ex + gy * ey + gz * ez
+    return (gx - ex * dot) * inv, (gy - ey * dot) * inv, (gz - ez * dot) * inv
 
 
 @nb.njit(parallel=True, cache=True)
@@ -176,68 +408,30 @@ def project_fwd(means, quats, scales, opacities, sh, sh_degree, viewmats, Ks, ca
     n_blocks = (N + 127) // 128  # per-block scratch arrays: no allocation per Gaussian
     for blk in nb.prange(n_blocks):
         bases = np.zeros(16, np.float64)
+        R = np.empty(9, np.float64)
         M = np.empty((3, 3), np.float64)
         Sig = np.empty((3, 3), np.float64)
         Sc = np.empty((3, 3), np.float64)
         tmp = np.empty((3, 3), np.float64)
         for n in range(blk * 128, min(N, blk * 128 + 128)):
-            w, x, y, z, _qn = _camera_space(means, quats, scales, viewmats, n, 0)
-            R = _rotmat(w, x, y, z)
-            s0 = np.float64(scales[n, 0])
-            s1 = np.float64(scales[n, 1])
-            s2 = np.float64(scales[n, 2])
-            # M = R diag(s); Sigma = M M^T
-            for i in range(3):
-                M[i, 0] = R[3 * i] * s0
-                M[i, 1] = R[3 * i + 1] * s1
-                M[i, 2] = R[3 * i + 2] * s2
-            _mmt(M, M, Sig)
-            mx = np.float64(means[n, 0])
-            my = np.float64(means[n, 1])
-            mz = np.float64(means[n, 2])
-            op = np.float64(opacities[n])
+            _w, _x, _y, _z, _qn, mx, my, mz, op = _load_gaussian(means, quats, scales, opacities, n, R, M, Sig)
             for c in range(C):
-                W = viewmats[c]
-                px = W[0, 0] * mx + W[0, 1] * my + W[0, 2] * mz + viewmats[c, 0, 3]
-                py = W[1, 0] * mx + W[1, 1] * my + W[1, 2] * mz + viewmats[c, 1, 3]
-                pz = W[2, 0] * mx + W[2, 1] * my + W[2, 2] * mz + viewmats[c, 2, 3]
+                px, py, pz = _world_to_cam(viewmats, c, mx, my, mz)
                 if not (pz >= near and pz <= far):
                     continue
                 _sandwich(viewmats, c, Sig, tmp, Sc)
-                fx = np.float64(Ks[c, 0, 0])
-                fy = np.float64(Ks[c, 1, 1])
-                cx = np.float64(Ks[c, 0, 2])
-                cy = np.float64(Ks[c, 1, 2])
-                tan_fovx = 0.5 * width / fx
-                tan_fovy = 0.5 * height / fy
-                lim_xp = (width - cx) / fx + 0.3 * tan_fovx
-                lim_xn = cx / fx + 0.3 * tan_fovx
-                lim_yp = (height - cy) / fy + 0.3 * tan_fovy
-                lim_yn = cy / fy + 0.3 * tan_fovy
-                rz = 1.0 / pz
-                ux = min(lim_xp, max(-lim_xn, px * rz))
-                uy = min(lim_yp, max(-lim_yn, py * rz))
-                J00 = fx * rz
-                J02 = -fx * ux * rz
-                J11 = fy * rz
-                J12 = -fy * uy * rz
-                # cov2d = J Sc J^T with J = [[J00, 0, J02], [0, J11, J12]]
-                a0 = J00 * J00 * Sc[0, 0] + 2.0 * J00 * J02 * Sc[0, 2] + J02 * J02 * Sc[2, 2]
-                b0 = J00 * J11 * Sc[0, 1] + J00 * J12 * Sc[0, 2] + J02 * J11 * Sc[2, 1] + J02 * J12 * Sc[2, 2]
-                c0 = J11 * J11 * Sc[1, 1] + 2.0 * J11 * J12 * Sc[1, 2] + J12 * J12 * Sc[2, 2]
-                det_orig = a0 * c0 - b0 * b0
-                a = a0 + eps2d
-                cc = c0 + eps2d
-                det = a * cc - b0 * b0
+                fx, fy, cx, cy, rz, _ux, _uy, _xf, _yf, J00, J02, J11, J12 = _persp_jacobian(
+                    Ks, c, width, height, px, py, pz)
+                a0, b0, c0 = _cov2d(J00, J02, J11, J12, Sc)
+                a, cc, det, r = _conic(a0, b0, c0, eps2d)
                 if not det > 0.0:
                     continue
                 opc = op
                 if antialiased:
-                    r = det_orig / det
                     opc = op * math.sqrt(r) if r > 0.0 else 0.0
-                if opc < ALPHA_THRESHOLD:
+                if opc < ALPHA_MIN:
                     continue
-                extend = min(3.33, math.sqrt(2.0 * math.log(opc / ALPHA_THRESHOLD)))
+                extend = min(EXTEND_MAX, math.sqrt(2.0 * math.log(opc / ALPHA_MIN)))
                 rad_x = math.ceil(extend * math.sqrt(max(a, 0.0)))
                 rad_y = math.ceil(extend * math.sqrt(max(cc, 0.0)))
                 if rad_x <= radius_clip and rad_y <= radius_clip:
@@ -256,20 +450,7 @@ def project_fwd(means, quats, scales, opacities, sh, sh_degree, viewmats, Ks, ca
                 radii[c, n, 0] = int(rad_x)
                 radii[c, n, 1] = int(rad_y)
                 if sh_degree >= 0:
-                    if sh_degree > 0:
-                        dx = mx - campos[c, 0]
-                        dy = my - campos[c, 1]
-                        dz = mz - campos[c, 2]
-                        inv = 1.0 / max(math.sqrt(dx * dx + dy * dy + dz * dz), 1e-12)
-                        _sh_bases(sh_degree, dx * inv, dy * inv, dz * inv, bases)
-                    else:
-                        bases[0] = SH_C0
-                    nb_ = (sh_degree + 1) * (sh_degree + 1)
-                    for ch in range(3):
-                        v = 0.0
-                        for k in range(nb_):
-                            v += bases[k] * sh[n, k, ch]
-                        colors[c, n, ch] = max(v + 0.5, 0.0)
+                    _sh_color(sh_degree, mx, my, mz, campos, c, sh, n, bases, colors)
     return means2d, conics, depths, opac_out, colors, radii
 
 
@@ -289,29 +470,16 @@ def project_bwd(means, quats, scales, opacities, sh, sh_degree, viewmats, Ks, ca
     for blk in nb.prange(n_blocks):
         bases = np.zeros(16, np.float64)
         vb = np.zeros(16, np.float64)
-        s = np.empty(3, np.float64)
+        R = np.empty(9, np.float64)
         M = np.empty((3, 3), np.float64)
         Sig = np.empty((3, 3), np.float64)
         Sc = np.empty((3, 3), np.float64)
         tmp = np.empty((3, 3), np.float64)
         vSc = np.empty((3, 3), np.float64)
-        JS0 = np.empty(3, np.float64)
-        JS1 = np.empty(3, np.float64)
         vR = np.empty(9, np.float64)
         vSig = np.zeros((3, 3), np.float64)
         for n in range(blk * 128, min(N, blk * 128 + 128)):
-            w, x, y, z, qnorm = _camera_space(means, quats, scales, viewmats, n, 0)
-            R = _rotmat(w, x, y, z)
-            for j in range(3):
-                s[j] = scales[n, j]
-            for i in range(3):
-                for j in range(3):
-                    M[i, j] = R[3 * i + j] * s[j]
-            _mmt(M, M, Sig)
-            mx = np.float64(means[n, 0])
-            my = np.float64(means[n, 1])
-            mz = np.float64(means[n, 2])
-            op = np.float64(opacities[n])
+            w, x, y, z, qnorm, mx, my, mz, op = _load_gaussian(means, quats, scales, opacities, n, R, M, Sig)
             vSig[:, :] = 0.0  # dL/dSigma summed over cameras
             gmx = 0.0
             gmy = 0.0
@@ -320,166 +488,33 @@ def project_bwd(means, quats, scales, opacities, sh, sh_degree, viewmats, Ks, ca
             for c in range(C):
                 if radii[c, n, 0] <= 0 or radii[c, n, 1] <= 0:
                     continue
-                W = viewmats[c]
-                px = W[0, 0] * mx + W[0, 1] * my + W[0, 2] * mz + viewmats[c, 0, 3]
-                py = W[1, 0] * mx + W[1, 1] * my + W[1, 2] * mz + viewmats[c, 1, 3]
-                pz = W[2, 0] * mx + W[2, 1] * my + W[2, 2] * mz + viewmats[c, 2, 3]
+                px, py, pz = _world_to_cam(viewmats, c, mx, my, mz)
                 _sandwich(viewmats, c, Sig, tmp, Sc)
-                fx = np.float64(Ks[c, 0, 0])
-                fy = np.float64(Ks[c, 1, 1])
-                cx = np.float64(Ks[c, 0, 2])
-                cy = np.float64(Ks[c, 1, 2])
-                tan_fovx = 0.5 * width / fx
-                tan_fovy = 0.5 * height / fy
-                lim_xp = (width - cx) / fx + 0.3 * tan_fovx
-                lim_xn = cx / fx + 0.3 * tan_fovx
-                lim_yp = (height - cy) / fy + 0.3 * tan_fovy
-                lim_yn = cy / fy + 0.3 * tan_fovy
-                rz = 1.0 / pz
-                ux_raw = px * rz
-                uy_raw = py * rz
-                ux = min(lim_xp, max(-lim_xn, ux_raw))
-                uy = min(lim_yp, max(-lim_yn, uy_raw))
-                x_free = ux_raw <= lim_xp and ux_raw >= -lim_xn
-                y_free = uy_raw <= lim_yp and uy_raw >= -lim_yn
-                J00 = fx * rz
-                J02 = -fx * ux * rz
-                J11 = fy * rz
-                J12 = -fy * uy * rz
-                a0 = J00 * J00 * Sc[0, 0] + 2.0 * J00 * J02 * Sc[0, 2] + J02 * J02 * Sc[2, 2]
-                b0 = J00 * J11 * Sc[0, 1] + J00 * J12 * Sc[0, 2] + J02 * J11 * Sc[2, 1] + J02 * J12 * Sc[2, 2]
-                c0 = J11 * J11 * Sc[1, 1] + 2.0 * J11 * J12 * Sc[1, 2] + J12 * J12 * Sc[2, 2]
-                a = a0 + eps2d
-                cc = c0 + eps2d
-                det = a * cc - b0 * b0
-                QA = cc / det
-                QB = -b0 / det
-                QC = a / det
-                # ---- opacity / compensation
-                v_op_eff = np.float64(v_opac[c, n])
-                v_a = 0.0
-                v_b = 0.0
-                v_c = 0.0
-                if antialiased:
-                    det_orig = a0 * c0 - b0 * b0
-                    r = det_orig / det
-                    if r > 0.0:
-                        comp = math.sqrt(r)
-                        gop += v_op_eff * comp
-                        v_r = v_op_eff * op * 0.5 / comp
-                        v_a += v_r * (c0 - r * cc) / det
-                        v_c += v_r * (a0 - r * a) / det
-                        v_b += v_r * (-2.0 * b0 * (1.0 - r)) / det
-                else:
-                    gop += v_op_eff
-                # ---- conic = inverse(S2): dL/dS2 = -Q G Q, G = [[vA, vB/2], [vB/2, vC]]
-                gA = np.float64(v_conics[c, n, 0])
-                gB = 0.5 * np.float64(v_conics[c, n, 1])
-                gC = np.float64(v_conics[c, n, 2])
-                # T = G Q
-                T00 = gA * QA + gB * QB
-                T01 = gA * QB + gB * QC
-                T10 = gB * QA + gC * QB
-                T11 = gB * QB + gC * QC
-                # -Q T
-                v_a += -(QA * T00 + QB * T10)
-                v_c += -(QB * T01 + QC * T11)
-                v_b += -((QA * T01 + QB * T11) + (QB * T00 + QC * T10))  # both off-diagonal entries
-                # V: symmetric dL/dcov2d
-                V00 = v_a
-                V11 = v_c
-                V01 = 0.5 * v_b
-                # ---- cov2d = J Sc J^T
-                # dL/dSc = J^T V J ; J rows: j0 = (J00, 0, J02), j1 = (0, J11, J12)
-                j0 = (J00, 0.0, J02)
-                j1 = (0.0, J11, J12)
-                for i in range(3):
-                    for k in range(3):
-                        vSc[i, k] = (V00 * j0[i] * j0[k] + V01 * (j0[i] * j1[k] + j1[i] * j0[k])
-                                     + V11 * j1[i] * j1[k])
-                # dL/dJ = 2 V J Sc
-                for k in range(3):
-                    JS0[k] = J00 * Sc[0, k] + J02 * Sc[2, k]
-                    JS1[k] = J11 * Sc[1, k] + J12 * Sc[2, k]
-                vJ00 = 2.0 * (V00 * JS0[0] + V01 * JS1[0])
-                vJ02 = 2.0 * (V00 * JS0[2] + V01 * JS1[2])
-                vJ11 = 2.0 * (V01 * JS0[1] + V11 * JS1[1])
-                vJ12 = 2.0 * (V01 * JS0[2] + V11 * JS1[2])
-                # ---- J and mean2d as functions of p
-                rz2 = rz * rz
-                v_m2x = np.float64(v_means2d[c, n, 0])
-                v_m2y = np.float64(v_means2d[c, n, 1])
-                vpx = fx * rz * v_m2x
-                vpy = fy * rz * v_m2y
-                vpz = -fx * px * rz2 * v_m2x - fy * py * rz2 * v_m2y + np.float64(v_depths[c, n])
-                vpz += -fx * rz2 * vJ00 - fy * rz2 * vJ11
-                # J02 = -fx * ux / pz
-                vpz += fx * ux * rz2 * vJ02
-                if x_free:  # ux = px / pz
-                    vpx += -fx * rz * rz * vJ02
-                    vpz += -fx * rz * (-px * rz2) * vJ02
-                vpz += fy * uy * rz2 * vJ12
-                if y_free:
-                    vpy += -fy * rz * rz * vJ12
-                    vpz += -fy * rz * (-py * rz2) * vJ12
-                # ---- p = W m + t ; Sc = W Sig W^T
-                gmx += W[0, 0] * vpx + W[1, 0] * vpy + W[2, 0] * vpz
-                gmy += W[0, 1] * vpx + W[1, 1] * vpy + W[2, 1] * vpz
-                gmz += W[0, 2] * vpx + W[1, 2] * vpy + W[2, 2] * vpz
+                fx, fy, _cx, _cy, rz, ux, uy, x_free, y_free, J00, J02, J11, J12 = _persp_jacobian(
+                    Ks, c, width, height, px, py, pz)
+                a0, b0, c0 = _cov2d(J00, J02, J11, J12, Sc)
+                a, cc, det, r = _conic(a0, b0, c0, eps2d)
+                v_a, v_b, v_c, g_op_c = _conic_vjp(
+                    a0, b0, c0, a, cc, det, r, op, antialiased, np.float64(v_opac[c, n]),
+                    np.float64(v_conics[c, n, 0]), 0.5 * np.float64(v_conics[c, n, 1]), np.float64(v_conics[c, n, 2]))
+                gop += g_op_c
+                vJ00, vJ02, vJ11, vJ12 = _cov2d_vjp(J00, J02, J11, J12, Sc, v_a, 0.5 * v_b, v_c, vSc)
+                vpx, vpy, vpz = _persp_jacobian_vjp(
+                    fx, fy, rz, px, py, ux, uy, x_free, y_free, vJ00, vJ02, vJ11, vJ12,
+                    np.float64(v_means2d[c, n, 0]), np.float64(v_means2d[c, n, 1]), np.float64(v_depths[c, n]))
+                gx, gy, gz = _world_to_cam_vjp(viewmats, c, vpx, vpy, vpz)
+                gmx += gx
+                gmy += gy
+                gmz += gz
                 _sandwich_t_add(viewmats, c, vSc, tmp, vSig)
-                # ---- colour
                 if sh_degree >= 0:
-                    nb_ = (sh_degree + 1) * (sh_degree + 1)
-                    dx = 0.0
-                    dy = 0.0
-                    dz = 0.0
-                    inv = 0.0
-                    if sh_degree > 0:
-                        dx = mx - campos[c, 0]
-                        dy = my - campos[c, 1]
-                        dz = mz - campos[c, 2]
-                        inv = 1.0 / max(math.sqrt(dx * dx + dy * dy + dz * dz), 1e-12)
-                        _sh_bases(sh_degree, dx * inv, dy * inv, dz * inv, bases)
-                    else:
-                        bases[0] = SH_C0
-                    for k in range(nb_):
-                        vb[k] = 0.0
-                    for ch in range(3):
-                        v = 0.0
-                        for k in range(nb_):
-                            v += bases[k] * sh[n, k, ch]
-                        if v + 0.5 > 0.0:
-                            gcol = np.float64(v_colors[c, n, ch])
-                            for k in range(nb_):
-                                g_sh[n, k, ch] += bases[k] * gcol
-                                vb[k] += sh[n, k, ch] * gcol
-                    if sh_degree > 0:
-                        ex = dx * inv
-                        ey = dy * inv
-                        ez = dz * inv
-                        gx, gy, gz = _sh_bases_vjp(sh_degree, ex, ey, ez, vb)
-                        dot = gx * ex + gy * ey + gz * ez
-                        gmx += (gx - ex * dot) * inv
-                        gmy += (gy - ey * dot) * inv
-                        gmz += (gz - ez * dot) * inv
+                    gx, gy, gz = _sh_color_vjp(sh_degree, mx, my, mz, campos, c, sh, n, bases, vb, v_colors, g_sh)
+                    gmx += gx
+                    gmy += gy
+                    gmz += gz
             g_means[n, 0] = gmx
             g_means[n, 1] = gmy
             g_means[n, 2] = gmz
             g_opac[n] = gop
-            # ---- Sigma = M M^T -> dL/dM = 2 vSig M (vSig symmetric)
-            for i in range(3):
-                for j in range(3):
-                    vMij = 2.0 * (vSig[i, 0] * M[0, j] + vSig[i, 1] * M[1, j] + vSig[i, 2] * M[2, j])
-                    g_scales[n, j] += vMij * R[3 * i + j]
-                    vR[3 * i + j] = vMij * s[j]
-            V00, V01, V02, V10, V11, V12, V20, V21, V22 = vR[0], vR[1], vR[2], vR[3], vR[4], vR[5], vR[6], vR[7], vR[8]
-            dw = 2.0 * (-z * V01 + y * V02 + z * V10 - x * V12 - y * V20 + x * V21)
-            dx_ = 2.0 * (y * V01 + z * V02 + y * V10 - 2.0 * x * V11 - w * V12 + z * V20 + w * V21 - 2.0 * x * V22)
-            dy_ = 2.0 * (-2.0 * y * V00 + x * V01 + w * V02 + x * V10 + z * V12 - w * V20 + z * V21 - 2.0 * y * V22)
-            dz_ = 2.0 * (-2.0 * z * V00 - w * V01 + x * V02 + w * V10 - 2.0 * z * V11 + y * V12 + x * V20 + y * V21)
-            dot = dw * w + dx_ * x + dy_ * y + dz_ * z
-            g_quats[n, 0] = (dw - w * dot) / qnorm
-            g_quats[n, 1] = (dx_ - x * dot) / qnorm
-            g_quats[n, 2] = (dy_ - y * dot) / qnorm
-            g_quats[n, 3] = (dz_ - z * dot) / qnorm
+            _load_gaussian_vjp(vSig, M, R, w, x, y, z, qnorm, scales, n, vR, g_scales, g_quats)
     return g_means, g_quats, g_scales, g_opac, g_sh

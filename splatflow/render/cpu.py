@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from . import _kernels as K
+from .constants import TILE
 from .projection import tile_grid
 
 
@@ -26,22 +27,23 @@ def _np(t: Tensor, dtype: torch.dtype | None = None) -> np.ndarray:
 
 
 def _binned(means2d, conics, colors, opacities, radii, depths, backgrounds, tiles_x, tiles_y):
-    """The kernels' inputs: depth-sorted tile lists ``(offsets, ids)`` and flat float64 arrays of the [C, N, ...]
-    tensors, in the order the compositing kernels take them.
+    """The kernels' inputs: depth-sorted tile lists ``(offsets, ids)`` and flat arrays of the [C, N, ...] tensors,
+    in the order the compositing kernels take them.
 
-    The kernels always run on float64 arrays (one compiled specialisation instead of two: numba compile time is
-    the larger cost in tests); float32 inputs only switch exp() to float32 (``fast_exp``).
+    The arrays keep the tensors' dtype: the kernels read every value into float64 and keep all sums in float64, so
+    a float32 array gives the same result as its float64 copy would, without the copy (numba compiles one
+    specialisation per dtype; training only ever uses float32). float32 inputs also switch exp() to a
+    float32-accurate polynomial (``fast_exp``).
     """
     C, N, D = colors.shape
     G = C * N
-    f64 = torch.float64
-    m2 = _np(means2d.reshape(G, 2), f64)
-    con = _np(conics.reshape(G, 3), f64)
-    col = _np(colors.reshape(G, D), f64)
-    op = _np(opacities.reshape(G), f64)
+    m2 = _np(means2d.reshape(G, 2))
+    con = _np(conics.reshape(G, 3), means2d.dtype)
+    col = _np(colors.reshape(G, D), means2d.dtype)
+    op = _np(opacities.reshape(G), means2d.dtype)
     rad = _np(radii.reshape(G, 2), torch.int32)
     order = np.argsort(_np(depths.reshape(G)), kind="stable")
-    bg = _np(backgrounds, f64) if backgrounds is not None else np.zeros((C, D), np.float64)
+    bg = _np(backgrounds, torch.float64) if backgrounds is not None else np.zeros((C, D), np.float64)
     offsets, ids = K.bin_tiles(m2, rad, order, N, C, tiles_x, tiles_y)
     return offsets, ids, m2, con, col, op, rad, bg
 
@@ -53,14 +55,14 @@ class _RasterizeTiles(torch.autograd.Function):
         C, N, D = colors.shape
         dt = colors.dtype
         G = C * N
-        tiles_x, tiles_y = tile_grid(width, height, K.TILE)
+        tiles_x, tiles_y = tile_grid(width, height, TILE)
         offsets, ids, m2, con, col, op, rad, bg = _binned(means2d, conics, colors, opacities, radii, depths,
                                                           backgrounds, tiles_x, tiles_y)
         out, T_final, last, isect_w, isect_hits = K.rasterize_fwd(
             offsets, ids, m2, con, col, op, rad, bg, C, width, height, tiles_x, tiles_y, bool(want_stats),
             dt == torch.float32, numba.get_num_threads(),
         )
-        img = torch.from_numpy(out).to(dt)  # [C, H, W, D]
+        img = torch.from_numpy(out).to(dt)  # [C, H, W, D] (already dt: no copy)
         alpha = (1.0 - torch.from_numpy(T_final)).to(dt)[..., None]  # [C, H, W, 1]
         if want_stats:
             w, h = K.reduce_stats(ids, isect_w, isect_hits, G)
@@ -90,7 +92,7 @@ class _RasterizeTiles(torch.autograd.Function):
             v_alpha = torch.zeros(C, height, width, 1, dtype=dt, device="cpu")
         grads = K.rasterize_bwd(
             offsets, ids, m2, con, col, op, rad, bg, T_final, last,
-            _np(v_img, torch.float64), _np(v_alpha[..., 0], torch.float64), C, width, height, tiles_x, tiles_y,
+            _np(v_img, dt), _np(v_alpha[..., 0], dt), C, width, height, tiles_x, tiles_y,
             dt == torch.float32,
             numba.get_num_threads(),
         )
@@ -146,14 +148,14 @@ class _ProjectCPU(torch.autograd.Function):
         from .projection import camera_centers
 
         dt = means.dtype
-        f64 = torch.float64  # kernels run on float64 (one compiled specialisation; see _RasterizeTiles)
         N = means.shape[0]
         vm = _np(viewmats, torch.float64)
         ks = _np(Ks, torch.float64)
         campos = _np(camera_centers(viewmats.detach().to(torch.float64)))
-        sh_np = _np(sh, f64) if sh is not None else np.zeros((N, 1, 3), np.float64)
+        # per-Gaussian arrays stay in dt (the kernels compute in float64; see _binned); camera arrays are tiny
+        sh_np = _np(sh, dt) if sh is not None else np.zeros((N, 1, 3), _np(means).dtype)
         deg = int(sh_degree) if sh is not None else -1
-        args = (_np(means, f64), _np(quats, f64), _np(scales, f64), _np(opacities, f64), sh_np, deg, vm, ks, campos,
+        args = (_np(means), _np(quats, dt), _np(scales, dt), _np(opacities, dt), sh_np, deg, vm, ks, campos,
                 int(width), int(height))
         m2, con, dep, op, col, radii = P.project_fwd(*args, float(near_plane), float(far_plane), float(eps2d),
                                                      bool(antialiased), float(radius_clip))
@@ -175,8 +177,10 @@ class _ProjectCPU(torch.autograd.Function):
         dt = ctx.dtype
         C, N = radii.shape[0], radii.shape[1]
 
+        ft = args[0].dtype
+
         def g(t, shape):
-            return _np(t, torch.float64) if t is not None else np.zeros(shape, np.float64)
+            return _np(t, dt) if t is not None else np.zeros(shape, ft)
 
         gm, gq, gs, go, gsh = P.project_bwd(
             *args, eps2d, antialiased, radii,
@@ -212,7 +216,7 @@ def removal_loss_cpu(means2d: Tensor, conics: Tensor, colors: Tensor, opacities:
     Gaussian whose removal makes the image better. One forward and one backward pass of the kernels.
     """
     C, N, D = colors.shape
-    tiles_x, tiles_y = tile_grid(width, height, K.TILE)
+    tiles_x, tiles_y = tile_grid(width, height, TILE)
     offsets, ids, m2, con, col, op, rad, bg = _binned(means2d, conics, colors, opacities, radii, depths,
                                                       backgrounds, tiles_x, tiles_y)
     fast = colors.dtype == torch.float32

@@ -19,17 +19,8 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from .projection import ALPHA_THRESHOLD, tile_grid
-
-ALPHA_MAX = 0.999
-"""Per-Gaussian alpha clamp of gsplat 1.5.3 (``min(0.999f, opac * exp(-sigma))`` in its CUDA kernels).
-
-The original 3DGS code clamps at 0.99; we follow gsplat so the CPU and CUDA backends agree."""
-
-T_MIN = 1e-4
-"""A pixel stops when its transmittance would fall to this or below."""
-
-TILE = 16
+from .constants import ALPHA_MAX, ALPHA_MIN, T_MIN, TILE
+from .projection import tile_grid
 
 
 def tile_lists(means2d: Tensor, radii: Tensor, depths: Tensor, width: int, height: int) -> tuple[Tensor, Tensor]:
@@ -78,7 +69,7 @@ def _composite_chunk(
     a, b, c = con[:, None, :, 0], con[:, None, :, 1], con[:, None, :, 2]
     sigma = 0.5 * (a * dx * dx + c * dy * dy) + b * dx * dy
     alpha = torch.clamp(op[:, None, :] * torch.exp(-sigma), max=ALPHA_MAX)
-    keep = valid[:, None, :] & (sigma >= 0) & (alpha >= ALPHA_THRESHOLD)
+    keep = valid[:, None, :] & (sigma >= 0) & (alpha >= ALPHA_MIN)
     alpha = torch.where(keep, alpha, torch.zeros((), dtype=alpha.dtype))
     with torch.no_grad():
         alive = torch.cumprod(1.0 - alpha, dim=-1) > T_MIN  # exclusive stop rule

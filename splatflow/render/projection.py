@@ -28,23 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-ALPHA_THRESHOLD = 1.0 / 255.0
-"""Contributions with alpha below this are skipped (gsplat / 3DGS)."""
-
-# Real spherical-harmonics normalisation constants, bands 0-3, in the sign convention of the 3DGS reference
-# code and gsplat (basis 1 is -C1*y, basis 2 is C1*z, basis 3 is -C1*x).
-SH_C0 = 0.28209479177387814
-SH_C1 = 0.4886025119029199
-SH_C2 = (1.0925484305920792, -1.0925484305920792, 0.31539156525252005, -1.0925484305920792, 0.5462742152960396)
-SH_C3 = (
-    -0.5900435899266435,
-    2.890611442640554,
-    -0.4570457994644658,
-    0.3731763325901154,
-    -0.4570457994644658,
-    1.445305721320277,
-    -0.5900435899266435,
-)
+from .constants import ALPHA_MIN, EXTEND_MAX, SH_C0, SH_C1, SH_C2, SH_C3, TILE
 
 
 def quat_to_rotmat(quats: Tensor) -> Tensor:
@@ -177,9 +161,9 @@ def project_gaussians(
     with torch.no_grad():
         # radii are integers and carry no gradient (gsplat: "non differentiable")
         op_d = opac.detach()
-        valid = valid & (op_d >= ALPHA_THRESHOLD)
+        valid = valid & (op_d >= ALPHA_MIN)
         extend = torch.clamp(
-            torch.sqrt(2.0 * torch.log(torch.clamp(op_d, min=ALPHA_THRESHOLD) / ALPHA_THRESHOLD)), max=3.33
+            torch.sqrt(2.0 * torch.log(torch.clamp(op_d, min=ALPHA_MIN) / ALPHA_MIN)), max=EXTEND_MAX
         )
         rad_x = torch.ceil(extend * torch.sqrt(torch.clamp(a.detach(), min=0.0)))  # [C, N]
         rad_y = torch.ceil(extend * torch.sqrt(torch.clamp(c.detach(), min=0.0)))
@@ -239,6 +223,6 @@ def gaussian_colors(
     return torch.clamp_min(rgb + 0.5, 0.0)
 
 
-def tile_grid(width: int, height: int, tile_size: int = 16) -> tuple[int, int]:
+def tile_grid(width: int, height: int, tile_size: int = TILE) -> tuple[int, int]:
     """Number of tiles (across, down)."""
     return math.ceil(width / tile_size), math.ceil(height / tile_size)
