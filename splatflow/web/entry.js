@@ -9,7 +9,9 @@
 //   cameras:   [{name, matrix (16, column-major camera-to-world in three's convention), fovY (deg), aspect}]
 //   target:    [x, y, z] orbit centre
 // The element gets data-state="loading" | "ready" | "error" (with data-error) and data-frames (animation frames
-// drawn since loading; headless --dump-dom runs no animation frames, so tests judge drawing from screenshots).
+// drawn with splats). "ready" means a frame has been drawn with splats in it, not merely that the file decoded:
+// Spark sorts the splats in a web worker and draws nothing (instance count 0) until the first sort result comes
+// back, so a page (or a test) that trusted the decode alone would look at an empty canvas.
 import * as THREE from "three";
 import { OrbitControls } from "three/addons/controls/OrbitControls.js";
 import { SparkRenderer, SplatMesh } from "@sparkjsdev/spark";
@@ -59,10 +61,9 @@ function mount(element, options) {
   scene.add(mesh);
 
   let frames = 0;
-  let ready = false;
+  let decoded = false;
   mesh.initialized.then(() => {
-    ready = true;
-    element.dataset.state = "ready";
+    decoded = true;
   }).catch((err) => {
     element.dataset.state = "error";
     element.dataset.error = String(err);
@@ -71,9 +72,11 @@ function mount(element, options) {
   renderer.setAnimationLoop(() => {
     controls.update();
     renderer.render(scene, camera);
-    if (ready) {
+    // spark.activeSplats is the instance count the frame just drawn used (0 until the worker's first sort).
+    if (decoded && spark.activeSplats > 0) {
       frames += 1;
       element.dataset.frames = String(frames);
+      if (element.dataset.state === "loading") element.dataset.state = "ready";
     }
   });
   return { flyTo, camera, controls, mesh, renderer };
