@@ -78,3 +78,24 @@ def init_repo(root: Path, message: str) -> Path:
 
 def dvc(root: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
     return run([str(BIN / "dvc"), *args], root, check=check)
+
+
+def drill_project(root: Path, *, max_steps: int, checkpoint_every: int, scene: str = "tiny") -> Path:
+    """A tiny project through ``split``, sized for stop/kill drills of the real stage processes: one thread, no
+    plateau stop, and the prune stage's own phases (not pruning during training), since those are what is drilled."""
+    root = make_project(root, overrides={
+        "base": {"threads": 1},
+        "train": {"max_steps": max_steps, "progress": False, "log_every": 5, "checkpoint_every": checkpoint_every,
+                  "early_stop": {"enabled": False}, "prune_during": {"enabled": False}},
+        "prune": {"phases": 3, "finetune_steps": 15, "progress": False, "val_views": 2, "score_rounds": 1},
+    })
+    dvc(root, "repro", f"split@{scene}")
+    return root
+
+
+def tracked_env(root: Path, **extra: str) -> dict:
+    """The project environment with MLflow tracking on, into ``root/mlflow.db``, and no inherited run."""
+    env = project_env()
+    env.update({"SPLATFLOW_TRACKING": "on", "MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlflow.db'}", **extra})
+    env.pop("MLFLOW_RUN_ID", None)
+    return env

@@ -18,29 +18,18 @@ import pytest
 import torch
 
 from splatflow.model import SPLAT_KEYS
-from tests._project import dvc, make_project, project_env, run
+from tests._project import drill_project, run, tracked_env
 
 SCENE = "tiny"
 
 
 @pytest.fixture(scope="module")
 def proj(tmp_path_factory):
-    root = make_project(tmp_path_factory.mktemp("resume") / "proj", overrides={
-        "base": {"threads": 1},
-        "train": {"max_steps": 100, "progress": False, "log_every": 5, "checkpoint_every": 20,
-                  "early_stop": {"enabled": False},
-                  "prune_during": {"enabled": False}},  # the prune stage's own phases are what is drilled here
-        "prune": {"phases": 3, "finetune_steps": 15, "progress": False, "val_views": 2, "score_rounds": 1},
-    })
-    dvc(root, "repro", f"split@{SCENE}")
-    return root
+    return drill_project(tmp_path_factory.mktemp("resume") / "proj", max_steps=100, checkpoint_every=20)
 
 
 def _env(root: Path) -> dict:
-    env = project_env()
-    env.update({"SPLATFLOW_TRACKING": "on", "MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlflow.db'}"})
-    env.pop("MLFLOW_RUN_ID", None)
-    return env
+    return tracked_env(root)
 
 
 def _stage(root: Path, name: str) -> subprocess.CompletedProcess:

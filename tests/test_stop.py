@@ -21,30 +21,18 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests._project import dvc, make_project, project_env
+from tests._project import drill_project, tracked_env
 
 SCENE = "tiny"
 
 
 @pytest.fixture(scope="module")
 def proj(tmp_path_factory):
-    root = make_project(tmp_path_factory.mktemp("stop") / "proj", overrides={
-        "base": {"threads": 1},
-        "train": {"max_steps": 40, "progress": False, "log_every": 5, "checkpoint_every": 1000,
-                  "early_stop": {"enabled": False},
-                  "prune_during": {"enabled": False}},  # the prune stage's own phases are what is drilled here
-        "prune": {"phases": 3, "finetune_steps": 15, "progress": False, "val_views": 2, "score_rounds": 1},
-    })
-    dvc(root, "repro", f"split@{SCENE}")
-    return root
+    return drill_project(tmp_path_factory.mktemp("stop") / "proj", max_steps=40, checkpoint_every=1000)
 
 
 def _env(root: Path, **extra) -> dict:
-    env = project_env()
-    env.update({"SPLATFLOW_TRACKING": "on", "MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlflow.db'}"})
-    env.pop("MLFLOW_RUN_ID", None)
-    env.update(extra)
-    return env
+    return tracked_env(root, **extra)
 
 
 class Stage:

@@ -89,8 +89,7 @@ def test_view_serves_the_splat_and_stops_on_sigint(reconstructed, tmp_path):
         proc, url, lines = _start(reconstructed, "tiny", "--port", str(port), *extra)
         try:
             assert url == f"http://127.0.0.1:{port}"
-            # viser streams the splat over a websocket in real time, while the page's virtual time may run ahead
-            # on a busy machine: look again with a longer budget until something is drawn.
+            # viser streams the splat over a websocket: look at the page in real time until something is drawn.
             shots.append(_chromium.screenshot_until(url, tmp_path / f"view{len(shots)}.png", _drawn,
                                                     size=(1000, 700)))
         finally:
