@@ -17,6 +17,17 @@ BIN = Path(sys.executable).parent
 # (DESIGN.md §5).
 TINY_SCENE = dict(n_views=12, width=320, height=240, arc_deg=90.0, seed=0)
 
+# Params as small as every stage allows while still exercising it: 10 training steps at half resolution, one prune
+# phase, no LPIPS (the flow, report and viewer tests run the whole pipeline on TINY_SCENE with these).
+TINY_PARAMS = {
+    "train": {"max_steps": 10, "sh_degree": 1, "sh_degree_interval": 5,
+              "resolution": [{"factor": 0.5, "start_fraction": 0.0}],
+              "blur": {"sigma_start_px": 0.0, "end_fraction": 0.5}, "densify": {"strategy": "none"},
+              "early_stop": {"enabled": False}, "log_every": 2, "progress": False, "checkpoint_every": 1000},
+    "prune": {"phases": 1, "finetune_steps": 2, "progress": False},
+    "evaluate": {"lpips_variants": []},
+}
+
 
 def project_env() -> dict:
     env = os.environ.copy()

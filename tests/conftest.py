@@ -60,16 +60,8 @@ def stack(tmp_path, monkeypatch):
         assert not any(s.alive() for s in started)
 
 
-# A reconstruction small enough to run end to end in seconds (10 steps at half resolution, one prune phase):
-# what the report and viewer tests look at.
-LOOK_PARAMS = {
-    "train": {"max_steps": 10, "sh_degree": 1, "sh_degree_interval": 5,
-              "resolution": [{"factor": 0.5, "start_fraction": 0.0}],
-              "blur": {"sigma_start_px": 0.0, "end_fraction": 0.5}, "densify": {"strategy": "none"},
-              "early_stop": {"enabled": False}, "log_every": 2, "progress": False, "checkpoint_every": 1000},
-    "prune": {"phases": 1, "finetune_steps": 2, "progress": False},
-    "evaluate": {"lpips_variants": []},
-}
+# A reconstruction small enough to run end to end in seconds: what the report and viewer tests look at.
+from tests._project import TINY_PARAMS as LOOK_PARAMS  # noqa: E402
 
 
 @pytest.fixture(scope="session")

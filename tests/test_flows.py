@@ -16,19 +16,10 @@ import pytest
 
 from splatflow import tracking
 from splatflow.orchestrate import dvcrun
-from tests._project import make_project, run
+from tests._project import TINY_PARAMS, make_project, run
 
 pytestmark = pytest.mark.slow
 
-# As small as every stage allows while still exercising it: 10 training steps at half resolution, one prune phase.
-TINY_PARAMS = {
-    "train": {"max_steps": 10, "sh_degree": 1, "sh_degree_interval": 5,
-              "resolution": [{"factor": 0.5, "start_fraction": 0.0}],
-              "blur": {"sigma_start_px": 0.0, "end_fraction": 0.5}, "densify": {"strategy": "none"},
-              "early_stop": {"enabled": False}, "log_every": 2, "progress": False, "checkpoint_every": 1000},
-    "prune": {"phases": 1, "finetune_steps": 2, "progress": False},
-    "evaluate": {"lpips_variants": []},
-}
 
 
 @pytest.fixture(scope="module")
