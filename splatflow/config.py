@@ -325,6 +325,7 @@ class PruneDuringConfig:
     score_rounds: int = 4  # re-scored geometric sub-cuts per phase (as prune.score_rounds)
     score_views: int = 8  # training views the removal cost is summed over, evenly spaced (0 = all)
     max_psnr_drop_db: float = 2.0  # early stop, against the validation PSNR just before the first cut
+    recovery_lr_boost: float = 1.0  # means LR x this right after a cut, back to the schedule by the next cut (1 = off)
 
     def __post_init__(self):
         check(0.0 < self.start_fraction < 1.0, "train.prune_during.start_fraction", "a number in (0, 1)",
@@ -339,6 +340,8 @@ class PruneDuringConfig:
               self.score_views)
         check(self.max_psnr_drop_db >= 0.0, "train.prune_during.max_psnr_drop_db", "a number >= 0",
               self.max_psnr_drop_db)
+        check(1.0 <= self.recovery_lr_boost <= 100.0, "train.prune_during.recovery_lr_boost",
+              "a number in [1, 100] (1 = the schedule's rate)", self.recovery_lr_boost)
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,22 @@ def test_acceptance_threshold():
     assert not pd.accepted(29.9, 30.0, 0.0)
 
 
+def test_recovery_lr_boost_falls_from_each_cut_to_the_next():
+    cfg = PruneDuringConfig(enabled=True, start_fraction=0.6, end_fraction=0.75, phases=3, recovery_lr_boost=5.0)
+    pol = pd.PruneDuring.from_config(cfg, 4000)  # cuts at 2400, 2700, 3000
+    assert pol.lr_factor(2500) == 1.0  # no cut made yet
+    pol.done = 1
+    assert pol.lr_factor(2399) == 1.0 and pol.lr_factor(2400) == pytest.approx(5.0)
+    assert pol.lr_factor(2550) == pytest.approx(3.0) and pol.lr_factor(2700) == 1.0
+    pol.done = 3  # after the last cut the boost falls until the end of training
+    assert pol.lr_factor(3000) == pytest.approx(5.0) and pol.lr_factor(3500) == pytest.approx(3.0)
+    pol.stop_reason = "phase 3 undone"
+    assert pol.lr_factor(3000) == 1.0  # a restored model trains on the schedule's rate
+    assert pd.PruneDuring.from_config(replace(cfg, recovery_lr_boost=1.0), 4000).lr_factor(2400) == 1.0
+    with pytest.raises(ConfigError, match="recovery_lr_boost"):
+        PruneDuringConfig(recovery_lr_boost=0.5)
+
+
 def test_config_refuses_cuts_during_densification():
     raw = {"train": {"prune_during": {"enabled": True, "start_fraction": 0.5},
                      "densify": {"refine_stop_fraction": 0.6}}}

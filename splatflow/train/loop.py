@@ -273,8 +273,9 @@ class Trainer:
         factor = s.resolution.factors[phase]
         sigma = s.blur.sigma(step)
         deg = s.sh.degree(step)
+        means_lr = s.means_lr.lr(step) * (self.pruner.lr_factor(step) if self.pruner is not None else 1.0)
         for g in self.optimizers["means"].param_groups:
-            g["lr"] = s.means_lr.lr(step)
+            g["lr"] = means_lr
         bg = torch.rand(3, device=self.device) if cfg.random_background else None
         rgb, target, info = self.render(i, factor, deg, bg, patch=True)
         if self.strategy is not None:

@@ -159,10 +159,31 @@ class PruneDuring:
     stop_reason: str | None = None
     records: list[dict] = field(default_factory=list)
     snap: dict | None = None  # the model before the latest cut, until that phase is judged
+    max_steps: int = 0
 
     @classmethod
     def from_config(cls, cfg: PruneDuringConfig, max_steps: int) -> "PruneDuring":
-        return cls(cfg, cut_steps(cfg, max_steps), keep_fractions(cfg), judge_steps(cfg, max_steps))
+        return cls(cfg, cut_steps(cfg, max_steps), keep_fractions(cfg), judge_steps(cfg, max_steps),
+                   max_steps=max_steps)
+
+    def lr_factor(self, step: int) -> float:
+        """Multiplier of the position learning rate at ``step``: ``recovery_lr_boost`` just after a cut, falling
+        linearly to 1 at the next cut (the end of training after the last one); 1 before the first cut and after
+        an undone phase.
+
+        Why: by the time the cuts come the position rate has decayed to a few percent of its start, so the
+        survivors can barely move into the gaps the removed Gaussians leave; the prune stage's recoveries needed
+        a rate near a third of the initial one (bench/RESULTS.md, pruning). A pure function of the policy's state,
+        so a resumed run uses the same rates.
+        """
+        boost = self.cfg.recovery_lr_boost
+        if boost == 1.0 or self.done == 0 or self.stop_reason is not None:
+            return 1.0
+        start = self.steps[self.done - 1]
+        end = self.steps[self.done] if self.done < len(self.steps) else max(self.max_steps, start + 1)
+        if not start <= step < end:
+            return 1.0
+        return 1.0 + (boost - 1.0) * (1.0 - (step - start) / (end - start))
 
     @property
     def pending(self) -> bool:
