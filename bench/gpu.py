@@ -35,7 +35,7 @@ def test_psnr_on(splats, sh_degree, views, device) -> list[float]:
     """Per-view test PSNR, rendering on ``device`` (one image pair there at a time)."""
     from splatflow.model import activated_for_render
     from splatflow.render import rasterize
-    from splatflow.train.images import read_rgb
+    from splatflow.scene.images import read_rgb
 
     a = activated_for_render(splats, sh_degree, device)
     out = []

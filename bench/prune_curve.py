@@ -55,7 +55,7 @@ def main(argv=None) -> None:
     from splatflow.paths import ScenePaths
     from splatflow.render import configure_threads
     from splatflow.scene.dataset import load_scene
-    from splatflow.train.images import ImageCache
+    from splatflow.scene.images import ImageCache
 
     params = load_params(args.params)
     configure_threads(args.threads or params.base.threads)

@@ -77,7 +77,7 @@ def prepare(work: Path, threads: int) -> tuple[Path, Path, dict]:
 @torch.no_grad()
 def test_psnr(splats, sh_degree, views) -> list[float]:
     from splatflow.render import rasterize
-    from splatflow.train.images import read_rgb
+    from splatflow.scene.images import read_rgb
 
     out = []
     k = (sh_degree + 1) ** 2

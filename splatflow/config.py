@@ -133,9 +133,11 @@ class IngestConfig:
 
 @dataclass(frozen=True)
 class SfmConfig:
-    # Which images share intrinsics: "auto" = one camera per distinct (image size, EXIF make/model/focal length),
-    # "single" = one camera for all (images must share one size), "per_image" = one camera per image.
-    camera_mode: Literal["auto", "single", "per_image"] = "auto"
+    # Which images share intrinsics: "auto" = one camera per distinct (image size, EXIF make/model/focal length)
+    # and source sub-folder, "single" = one camera for all (images must share one size), "per_folder" = one camera
+    # per sub-folder of the source (ingest reads them; each folder one size), "per_image" = one camera per image.
+    # Ingest reads sub-folders for per_folder, and for auto when the source has no image files of its own.
+    camera_mode: Literal["auto", "single", "per_folder", "per_image"] = "auto"
     camera_model: Literal["SIMPLE_PINHOLE", "PINHOLE", "SIMPLE_RADIAL", "RADIAL", "OPENCV"] = "SIMPLE_RADIAL"
     # "auto": exhaustive up to `exhaustive_max_images` images, sequential beyond (or for video sources).
     matcher: Literal["auto", "exhaustive", "sequential"] = "auto"

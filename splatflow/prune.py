@@ -74,7 +74,7 @@ class Camera:
 
 def cameras_at(views: Sequence, factor: float) -> list[Camera]:
     """Cameras of ``views`` (``splatflow.scene.dataset.View``) at resolution ``factor`` (intrinsics rescaled)."""
-    from splatflow.train.images import level_size, scale_intrinsics
+    from splatflow.scene.images import level_size, scale_intrinsics
 
     cams = []
     for v in views:
@@ -380,11 +380,11 @@ def val_set(scene, n_views: int, factor: float, image_cache_mb: int = 256) -> tu
 
 class CachedImages(abc.Sequence):
     """The TRAINING images ``[H, W, 3]`` at ``factor``, decoded on demand through an LRU
-    :class:`~splatflow.train.images.ImageCache` of ``image_cache_mb`` (all views of a large scene at full
+    :class:`~splatflow.scene.images.ImageCache` of ``image_cache_mb`` (all views of a large scene at full
     resolution need not fit in memory at once). Matches :func:`cameras_at` view for view."""
 
     def __init__(self, views: Sequence, factor: float, image_cache_mb: int = 256):
-        from splatflow.train.images import ImageCache
+        from splatflow.scene.images import ImageCache
 
         self.cache = ImageCache(views, image_cache_mb)
         self.factor = float(factor)

@@ -12,7 +12,7 @@ from splatflow.config import Params
 from splatflow.errors import UserError
 from splatflow.paths import ScenePaths
 from splatflow.scene import colmap
-from splatflow.scene.ingest import ingest
+from splatflow.scene.ingest import ingest, reads_subfolders
 from splatflow.stage import stage_main
 
 
@@ -36,7 +36,10 @@ def run(params: Params, paths: ScenePaths) -> dict:
         if not (source / "images").is_dir():
             raise UserError(f"{source}: a COLMAP dataset needs its images in {source / 'images'}; point "
                             f"base.scenes.{paths.scene}.source at the dataset's root folder")
-    result = ingest(source / "images" if scene.colmap is not None else source, paths.images_dir, params.ingest)
+    # A COLMAP dataset's images are named by its model: never flattened from sub-folders.
+    subfolders = scene.colmap is None and reads_subfolders(source, params.sfm.camera_mode)
+    result = ingest(source / "images" if scene.colmap is not None else source, paths.images_dir, params.ingest,
+                    subfolders=subfolders)
     if scene.colmap is not None:
         kept = [(c.source, c.out_name, c.width_px, c.height_px) for c in result.kept]
         levels = colmap.copy_levels(source, kept, paths.data_dir, params.ingest)
@@ -46,6 +49,10 @@ def run(params: Params, paths: ScenePaths) -> dict:
     kept, n_in = len(result.kept), result.images_in
     print(f"ingest [{paths.scene}]: kept {kept} of {n_in} {'frames' if result.source_kind == 'video' else 'files'}"
           f" -> {paths.images_dir}")
+    per_folder = result.folder_counts()
+    if per_folder:  # one camera per sub-folder in the sfm stage
+        print(f"ingest [{paths.scene}]: read {len(per_folder)} folder(s) (sfm.camera_mode = {params.sfm.camera_mode}"
+              "; one camera each): " + ", ".join(f"{f or '.'} ({n})" for f, n in per_folder.items()))
     summary = result.summary_lines()
     for line in summary:  # one line per reason; each file with its detail is in ingest.json
         print(f"ingest [{paths.scene}]: {line}")

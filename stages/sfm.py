@@ -39,6 +39,15 @@ def _import(params: Params, paths: ScenePaths, gt: Path | None):
                                rejected=rejected, threads=params.base.threads, ground_truth=gt)
 
 
+def _image_folders(paths: ScenePaths) -> dict[str, str] | None:
+    """Image name -> the source sub-folder ingest read it from (ingest.json ``image_folders``), or None when
+    ingest read no sub-folders (or ran elsewhere: a bare images folder)."""
+    ingest_json = paths.metrics_json("ingest")
+    if not ingest_json.exists():
+        return None
+    return json.loads(ingest_json.read_text()).get("image_folders") or None
+
+
 def run(params: Params, paths: ScenePaths) -> dict:
     """SfM for one scene; returns the sfm.json metrics."""
     scene = params.scene(paths.scene)
@@ -50,7 +59,7 @@ def run(params: Params, paths: ScenePaths) -> dict:
     else:
         result = run_sfm(paths.images_dir, paths.sparse_dir, paths.undistorted_dir, params.sfm,
                          seed=params.base.seed, threads=params.base.threads, ordered_sequence=from_video,
-                         ground_truth=gt)
+                         ground_truth=gt, folders=_image_folders(paths))
     m = result.metrics
     m.setdefault("matcher", result.matcher)  # what sfm.matcher: auto chose
     print(f"sfm [{paths.scene}]: {m['images_registered']}/{m['images_total']} images registered, {m['points3d']} "

@@ -6,6 +6,8 @@
   the import's undistortion can be checked against the original pinhole renders.
 * :func:`write_two_camera_views`: views of one orbit from two cameras (two sizes, two focal lengths), with a COLMAP
   text model of the true cameras (two PINHOLE cameras) and points.
+* :func:`write_rig_views`: the same from two cameras of ONE size, stored as a rig stores them, one sub-folder per
+  camera (``cam_a/``, ``cam_b/``): only the folders tell the two cameras apart.
 """
 
 from __future__ import annotations
@@ -133,3 +135,29 @@ def write_two_camera_views(out: Path, n_views: int = 16, arc_deg: float = 90.0, 
             f.write(f"{p + 1} {xyz[p, 0]:.8g} {xyz[p, 1]:.8g} {xyz[p, 2]:.8g} {rgb[p, 0]} {rgb[p, 1]} {rgb[p, 2]} 0 "
                     f"{' '.join(tracks[p])}\n")
     return truth
+
+
+#: Two cameras of one size and two focal lengths (a rig of two lenses on identical bodies).
+RIG_CAMERAS = ({"width": 320, "height": 240, "hfov_deg": 65.0}, {"width": 320, "height": 240, "hfov_deg": 50.0})
+RIG_FOLDERS = ("cam_a", "cam_b")
+
+
+def write_rig_views(out: Path, n_views: int = 16, cameras=RIG_CAMERAS) -> dict:
+    """:func:`write_two_camera_views` with camera A's views in ``out/rig/cam_a/`` and B's in ``out/rig/cam_b/``;
+    the true model in ``out/sparse`` names the images as ingest flattens them (``cam_a__0000.jpg``).
+    Returns ``{flat name: (camera index, K, world_to_cam)}``."""
+    truth = write_two_camera_views(out, n_views=n_views, cameras=cameras)
+    flat = {}
+    for name, (c, K, w2c) in truth.items():
+        folder = out / "rig" / RIG_FOLDERS[c]
+        folder.mkdir(parents=True, exist_ok=True)
+        (out / "images" / name).rename(folder / name)
+        flat[f"{RIG_FOLDERS[c]}__{name}"] = (c, K, w2c)
+    (out / "images").rmdir()
+    model = out / "sparse" / "images.txt"
+    lines = model.read_text().splitlines()
+    for i in range(0, len(lines), 2):  # image lines end with the camera id and the name
+        head, cam_id, name = lines[i].rsplit(" ", 2)
+        lines[i] = f"{head} {cam_id} {RIG_FOLDERS[int(cam_id) - 1]}__{name}"
+    model.write_text("\n".join(lines) + "\n")
+    return flat

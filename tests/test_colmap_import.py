@@ -22,7 +22,8 @@ from splatflow.errors import UserError  # noqa: E402
 from splatflow.paths import ScenePaths  # noqa: E402
 from splatflow.scene.synthetic import write_scene  # noqa: E402
 
-from tests._colmap_data import write_dataset, write_two_camera_views  # noqa: E402
+from tests._colmap_data import (RIG_FOLDERS, write_dataset, write_rig_views,  # noqa: E402
+                               write_two_camera_views)
 
 W, H = 200, 150
 
@@ -318,6 +319,77 @@ def test_camera_modes_group_by_size_and_exif(tmp_path):
     assert single.exif.focal_px == pytest.approx(38 / 36 * 400)  # the median prior of its images
 
 
+def test_per_folder_cameras_follow_the_sub_folders(tmp_path):
+    """per_folder: one camera per source sub-folder, also for identical bodies (same size and EXIF) that auto
+    without folders would merge; auto splits by folder too; a folder of two sizes is an error naming it."""
+    from PIL import Image
+
+    from splatflow.scene.sfm import camera_groups
+
+    def save(name, size, f35=None):
+        exif = Image.Exif()
+        if f35:
+            exif[0x010F], exif[0x0110] = "Canon", "EOS 5D"
+            exif[0x8769] = {0xA405: f35}
+        Image.new("RGB", size, (90, 120, 150)).save(tmp_path / name, "JPEG", exif=exif.tobytes())
+
+    for k in range(2):
+        save(f"cam_a__{k}.jpg", (400, 300), 38)
+        save(f"cam_b__{k}.jpg", (400, 300), 38 if k == 0 else 40)  # the same body; the second frame zoomed
+    save("top.jpg", (300, 400))
+    names = sorted(p.name for p in tmp_path.iterdir())
+    folders = {n: n.split("__")[0] if "__" in n else "" for n in names}
+
+    per_folder = camera_groups(tmp_path, names, "per_folder", folders)
+    assert [(g.folder, g.names) for g in per_folder] == [
+        ("cam_a", ["cam_a__0.jpg", "cam_a__1.jpg"]), ("cam_b", ["cam_b__0.jpg", "cam_b__1.jpg"]), ("", ["top.jpg"])]
+    assert per_folder[0].exif.focal_px == pytest.approx(38 / 36 * 400)
+    assert per_folder[1].exif.focal_px == pytest.approx(39 / 36 * 400)  # the median prior of the folder
+    assert per_folder[2].exif.focal_px is None
+    # auto without folders merges the identical bodies; with them, each folder (and size/EXIF within) is apart
+    assert [g.names for g in camera_groups(tmp_path, names, "auto")][0] == ["cam_a__0.jpg", "cam_a__1.jpg",
+                                                                           "cam_b__0.jpg"]
+    assert [g.names for g in camera_groups(tmp_path, names, "auto", folders)] == [
+        ["cam_a__0.jpg", "cam_a__1.jpg"], ["cam_b__0.jpg"], ["cam_b__1.jpg"], ["top.jpg"]]
+    with pytest.raises(UserError, match="sub-folder 'cam_a' have 2 different sizes.*per_folder"):
+        camera_groups(tmp_path, names, "per_folder", {**folders, "top.jpg": "cam_a"})
+
+
+@pytest.fixture(scope="module")
+def rig(tmp_path_factory) -> tuple[Path, dict]:
+    d = tmp_path_factory.mktemp("rig")
+    return d, write_rig_views(d)
+
+
+def test_rig_in_sub_folders_registers_one_camera_per_folder(rig, tmp_path):
+    """A two-camera rig stored as cam_a/, cam_b/ (one size, two focal lengths, no EXIF), camera_mode auto: ingest
+    reads the sub-folders because the source has no images of its own, and SfM gives each folder its camera."""
+    from stages import ingest as ingest_stage
+    from stages import sfm as sfm_stage
+
+    d, truth = rig
+    params = params_from_dict({"base": {"scenes": {"s": {"source": str(d / "rig"),
+                                                         "ground_truth": str(d / "sparse")}}}})
+    paths = ScenePaths("s", tmp_path)
+    m_ingest = ingest_stage.run(params, paths)
+    assert m_ingest["images_kept"] == 16 and m_ingest["ignored"] == []
+    assert m_ingest["image_folders"] == {n: RIG_FOLDERS[c] for n, (c, _, _) in truth.items()}
+    assert sorted(p.name for p in paths.images_dir.iterdir()) == sorted(truth)
+    paths.metrics_json("ingest").parent.mkdir(parents=True, exist_ok=True)
+    paths.metrics_json("ingest").write_text(json.dumps(m_ingest))  # what stage_main writes; sfm reads it
+
+    m = sfm_stage.run(params, paths)
+    assert m["camera_mode"] == "auto" and m["images_registered"] == 16 and m["camera_center_error_rel"] < 0.01
+    assert sorted((c["folder"], c["images"], c["width"]) for c in m["cameras"]) == [
+        ("cam_a", 8, 320), ("cam_b", 8, 320)]
+    rec = pycolmap.Reconstruction(str(paths.sparse_dir))
+    assert rec.num_cameras() == 2
+    for im in rec.images.values():
+        c, K, _ = truth[im.name]
+        cam = rec.cameras[im.camera_id]
+        assert abs(cam.mean_focal_length() - K[0, 0]) / K[0, 0] < 0.03  # each folder's own focal length
+
+
 def test_exif_focal_prior_reaches_colmap(tmp_path):
     """With an EXIF focal length, the camera COLMAP starts from is marked as a prior at that focal length."""
     from PIL import Image
@@ -351,7 +423,7 @@ def test_training_handles_views_of_two_sizes(two_cameras):
     from splatflow.render import configure_threads, rasterize
     from splatflow.scene.dataset import load_scene
     from splatflow.train import train
-    from splatflow.train.images import read_rgb
+    from splatflow.scene.images import read_rgb
 
     configure_threads(2)
     d, _ = two_cameras

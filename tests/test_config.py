@@ -24,7 +24,7 @@ def test_repo_params_load():
         ({"sfm": {"refine_principal_point": "yes"}}, "sfm.refine_principal_point", "true or false"),
         ({"nonsense": {}}, "nonsense", "allowed keys"),
         ({"base": {"scenes": {"a b": "x"}}}, "base.scenes.a b", "letters"),
-        ({"sfm": {"camera_mode": "per_folder"}}, "sfm.camera_mode", "'per_image'"),
+        ({"sfm": {"camera_mode": "per_rig"}}, "sfm.camera_mode", "'per_folder'"),
         ({"base": {"scenes": {"g": {"source": "x", "colmap": ""}}}}, "colmap", "sparse/0"),
         ({"base": {"scenes": {"g": {"source": "x", "colmap": 0}}}}, "base.scenes.g.colmap", "a string"),
         ({"split": {"test_names": ["a.jpg", "a.jpg"]}}, "split.test_names", "repeat"),

@@ -318,6 +318,51 @@ def test_helpers():
     assert neighbour_indices(1, 3, 7) == [0, 2]
     names = output_names(["b.JPG", "a.png", "a.jpg", "c.heic"], "jpg")
     assert names == {"a.jpg": "a.jpg", "a.png": "a_png.jpg", "b.JPG": "b.jpg", "c.heic": "c.jpg"}
+    names = output_names(["cam_b/0001.png", "cam_a/0001.jpg", "0001.jpg", "rig/cam_c/0001.jpg"], "jpg")
+    assert names == {"0001.jpg": "0001.jpg", "cam_a/0001.jpg": "cam_a__0001.jpg", "cam_b/0001.png": "cam_b__0001.jpg",
+                     "rig/cam_c/0001.jpg": "rig__cam_c__0001.jpg"}
+
+
+def _rig(root: Path) -> Path:
+    """Two cameras' pans in cam_a/ and cam_b/ (3 views each), plus a hidden folder and an empty file."""
+    for cam, xs in (("cam_a", (0, 64, 128)), ("cam_b", (32, 96, 160))):
+        (root / cam).mkdir(parents=True)
+        for k, x in enumerate(xs):
+            _save_jpg(root / cam / f"{k:04d}.jpg", _crop(x))
+    (root / ".thumbs").mkdir()
+    _save_jpg(root / ".thumbs" / "0000.jpg", _crop(0))
+    (root / "cam_b" / "0003.jpg").write_bytes(b"")
+    return root
+
+
+def test_sub_folders_read_with_flat_names_that_keep_the_folder(tmp_path):
+    from splatflow.scene.ingest import reads_subfolders
+
+    rig = _rig(tmp_path / "rig")
+    # auto reads sub-folders only when the source has no images of its own (a rig's layout)
+    assert reads_subfolders(rig, "auto") and reads_subfolders(rig, "per_folder")
+    assert not reads_subfolders(rig, "single") and not reads_subfolders(rig, "per_image")
+    result = ingest(rig, tmp_path / "out", CFG, progress=False, subfolders=True)
+    out = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert out == [f"cam_{c}__{k:04d}.jpg" for c in "ab" for k in range(3)]
+    assert (tmp_path / "out" / "cam_b__0001.jpg").read_bytes() == (rig / "cam_b" / "0001.jpg").read_bytes()
+    m = result.metrics()
+    assert m["image_folders"] == {n: n.split("__")[0] for n in out}
+    assert result.folder_counts() == {"cam_a": 3, "cam_b": 3}
+    assert [(r["file"], r["reason"]) for r in m["rejected"]] == [("cam_b/0003.jpg", "empty")]  # named by its path
+    assert m["ignored"] == [".thumbs/"]
+
+    # a photo of the source's own: auto no longer reads sub-folders (a backup/ beside the photos is no camera) ...
+    _save_jpg(rig / "0000.jpg", _crop(200))
+    _save_jpg(rig / "0001.jpg", _crop(232))
+    _save_jpg(rig / "0002.jpg", _crop(248))
+    assert not reads_subfolders(rig, "auto") and reads_subfolders(rig, "per_folder")
+    flat = ingest(rig, tmp_path / "out2", CFG, progress=False)
+    assert [c.out_name for c in flat.kept] == ["0000.jpg", "0001.jpg", "0002.jpg"]
+    assert flat.metrics()["image_folders"] == {} and "cam_a/" in flat.ignored
+    # ... while per_folder reads both, the source's own images as folder ""
+    both = ingest(rig, tmp_path / "out3", CFG, progress=False, subfolders=True)
+    assert both.folder_counts() == {"": 3, "cam_a": 3, "cam_b": 3}
 
 
 def test_heic_is_converted_and_upright(tmp_path):

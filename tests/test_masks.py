@@ -47,6 +47,26 @@ def test_ingest_copies_binarised_masks_by_stem(tmp_path):
     assert set(np.unique(m0)) == {0, 255} and m0[0, -1] == 255 and m0[0, 0] == 0
 
 
+def test_masks_of_sub_folder_images_mirror_the_folders(tmp_path):
+    """Images read from sub-folders (cam_a/0000.jpg, output cam_a__0000.jpg) have their masks in the same
+    sub-folders of the mask folder; a mask of another folder's image is not taken for them."""
+    cands = [SimpleNamespace(source=f"{c}/0000.jpg", out_name=f"{c}__0000.jpg", width_px=W, height_px=H)
+             for c in ("cam_a", "cam_b")]
+    src = tmp_path / "masks"
+    _write_masks(src / "cam_a", ["0000.png"])
+    _write_masks(src / "cam_b", ["0000.png"], left_black=False)
+    out = ingest_masks(src, cands, tmp_path / "data" / "masks")
+    assert out == {"masks": 2, "mask_kept_fraction_mean": 0.75}
+    assert sorted(p.name for p in (tmp_path / "data" / "masks").iterdir()) == ["cam_a__0000.png", "cam_b__0000.png"]
+    (src / "cam_b" / "0000.png").rename(src / "0000.png")  # beside the folders: belongs to no cam_b image
+    with pytest.raises(UserError, match=r"no mask for 1 image\(s\) \(e\.g\. cam_b/0000\.jpg\).*cam_b/0000\.png"):
+        ingest_masks(src, cands, tmp_path / "data" / "masks")
+    (src / "0000.png").rename(src / "cam_b" / "0000.png")
+    _write_masks(src / "cam_b", ["0007.png"])
+    with pytest.raises(UserError, match=r"match no image of the scene \(e\.g\. cam_b/0007\.png\)"):
+        ingest_masks(src, cands, tmp_path / "data" / "masks")
+
+
 @pytest.mark.parametrize("case, message", [
     ("missing", r"no mask for 1 image\(s\) \(e\.g\. IMG_2\.JPG\)"),
     ("size", r"IMG_1\.png: mask is 32x48 but its image IMG_1\.JPG is 64x48"),

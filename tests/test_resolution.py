@@ -11,8 +11,8 @@ import pytest
 from splatflow.config import ConfigError, ResolutionConfig, params_from_dict
 from splatflow.scene.dataset import SceneData, View, load_scene
 from splatflow.scene.resolution import apply_resolution, read_view_rgb, target_size
+from splatflow.scene.images import ImageCache
 from splatflow.scene.synthetic import write_colmap_text_model
-from splatflow.train.images import ImageCache
 
 BIG_W, BIG_H = 3200, 2000  # a real capture's size class: above the 1600 px default
 
@@ -100,6 +100,26 @@ def test_large_image_area_downscaled_with_consistent_intrinsics(tmp_path, cfg, s
     np.testing.assert_allclose(K1, v.K)
     cache.get(0, 0.5)
     assert cache.decodes == 1
+
+
+def test_image_cache_window_is_the_crop_of_the_level(tmp_path):
+    """A training window: only its pixels come back (cut before the float conversion), with the whole level's K,
+    and ``shape`` gives the level's size without decoding."""
+    import torch
+
+    root, _ = _big_scene(tmp_path, w=640, h=480)
+    scene = load_scene(root)
+    cache = ImageCache(scene.views, budget_mb=64)
+    assert cache.shape(0, 0.5) == (320, 240) and cache.decodes == 0
+    level, K = cache.get(0, 0.5)
+    assert tuple(level.shape) == (240, 320, 3)
+    crop, Kw = cache.get(0, 0.5, window=(30, 20, 100, 70))
+    assert tuple(crop.shape) == (70, 100, 3) and crop.dtype == torch.float32
+    torch.testing.assert_close(crop, level[20:90, 30:130], rtol=0, atol=0)
+    np.testing.assert_array_equal(Kw, K)
+    assert cache.decodes == 1
+    with pytest.raises(ValueError, match=r"window .* 320x240"):
+        cache.get(0, 0.5, window=(300, 0, 40, 10))
 
 
 def _level_scene(tmp_path, n, distorted: bool):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from splatflow.config import ConfigError, TrainConfig, params_from_dict
-from splatflow.train.images import ImageCache, scale_intrinsics
+from splatflow.scene.images import ImageCache, scale_intrinsics
 from splatflow.train.schedules import ExpDecay, PlateauStopper, Schedules, gaussian_blur
 from splatflow.train.strategies import (BudgetedDefaultStrategy, TorchMCMCStrategy, compute_relocation_torch,
                                         relocation_coefficients)

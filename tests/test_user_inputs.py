@@ -5,7 +5,8 @@ step counts are made small when the project is made, so each run takes about a m
 
 * a COLMAP dataset in the Mip-NeRF 360 layout (``images/``, ``images_2/``, ``sparse/0/``), trained at downscale 2;
 * a phone video (portrait mp4, 270x480: a quarter of 1080x1920) of an orbit;
-* a folder of photos from two cameras (two image sizes, two focal lengths, EXIF focal lengths).
+* a folder of photos from two cameras (two image sizes, two focal lengths, EXIF focal lengths);
+* a two-camera rig stored as one sub-folder per camera (one image size, two focal lengths, no EXIF).
 """
 
 from __future__ import annotations
@@ -152,3 +153,20 @@ def test_mixed_camera_photo_folder(tmp_path):
     cams = sorted((c["width"], c["height"], c["images"], c["focal_prior_from"]) for c in m["sfm"]["cameras"])
     assert cams == [(320, 240, 8, "exif_35mm"), (400, 300, 8, "exif_35mm")]
     assert len(m["train"]["resolution"]["sizes"]) == 2  # each camera's views train at their own size
+
+
+def test_rig_in_sub_folders(tmp_path):
+    """add-scene on rig/ (cam_a/, cam_b/, nothing else): sfm.camera_mode auto reads the sub-folders, and SfM gives
+    each folder its own camera although both have one size and no EXIF (one camera would fit neither lens)."""
+    from tests._colmap_data import write_rig_views
+
+    truth = write_rig_views(tmp_path / "two", n_views=16)
+    root = _project(tmp_path)
+    _add_scene(root, "rig", str(tmp_path / "two" / "rig"))
+    m, _ = _repro_to_export(root, "rig")
+    assert sorted(m["ingest"]["image_folders"]) == sorted(truth) and m["ingest"]["ignored"] == []
+    assert m["sfm"]["images_registered"] == 16
+    cams = sorted((c["folder"], c["images"]) for c in m["sfm"]["cameras"])
+    assert cams == [("cam_a", 8), ("cam_b", 8)]
+    views = json.loads((root / "data/rig/split.json").read_text())
+    assert all("__" in n for n in views["train"] + views["test"])  # the flat names reach the split

@@ -189,9 +189,9 @@ def import_model(model_path: Path, images_dir: Path, sparse_dir: Path, undistort
     import pycolmap
     from PIL import Image
 
-    from splatflow.scene.groundtruth import camera_error, read_ground_truth
+    from splatflow.scene.groundtruth import read_ground_truth
     from splatflow.scene.schemas import validate_reconstruction
-    from splatflow.scene.sfm import (SfmResult, _replace_dir, camera_summary, list_images, reconstruction_poses,
+    from splatflow.scene.sfm import (SfmResult, _replace_dir, camera_summary, list_images, model_metrics,
                                      undistort_model)
 
     t0 = time.perf_counter()
@@ -256,22 +256,12 @@ def import_model(model_path: Path, images_dir: Path, sparse_dir: Path, undistort
         "source": "imported",
         "model": str(model_path),
         "images_total": n_model,
-        "images_registered": int(n_kept),
+        **model_metrics(rec, truth),
         "images_dropped": dropped,
-        "points3d": int(rec.num_points3D()),
-        "mean_reprojection_error_px": float(rec.compute_mean_reprojection_error()),
-        "mean_track_length": float(rec.compute_mean_track_length()),
-        "camera_center_error_rel": None,
-        "camera_rotation_error_deg": None,
-        "seconds": None,
         "camera_models": models,
         "undistorted": any(m not in ("PINHOLE", "SIMPLE_PINHOLE") for m in models),
         "cameras": camera_summary(rec),
     }
-    if truth is not None:
-        err = camera_error(reconstruction_poses(rec), truth)
-        metrics["camera_center_error_rel"] = err.center_error_rel
-        metrics["camera_rotation_error_deg"] = err.rotation_error_deg
 
     sparse_dir.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".sfm-", dir=sparse_dir.parent) as tmp_s:

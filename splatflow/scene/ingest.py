@@ -25,6 +25,13 @@ Why each step exists
   thumbnail correlates with it at ``dedupe_min_correlation`` or more is dropped.
 * **Video.** The sharpest frame of each of ``video_frames`` equal windows (:mod:`splatflow.scene.video`), then
   the same blur/duplicate checks.
+* **Sub-folders.** A multi-camera rig is usually stored as one sub-folder per camera (``cam_a/0001.jpg``,
+  ``cam_b/0001.jpg``). With ``sfm.camera_mode: per_folder``, or ``auto`` on a source that holds sub-folders but
+  no image files of its own, the images of every sub-folder (any depth; hidden ones skipped) are read too
+  (:func:`reads_subfolders`). Their output names keep the folder, flattened: ``cam_a/0001.jpg`` ->
+  ``cam_a__0001.jpg`` (one flat folder is what COLMAP, the split, masks and renders work on), and ingest.json's
+  ``image_folders`` maps each output name to its folder, so the sfm stage gives each folder its own camera.
+  Otherwise sub-folders are skipped and listed (a ``backup/`` next to the photos is not part of the capture).
 
 Guarantees: the source is only read, never written (its folder may be read-only); the output is written to a
 staging folder and swapped in at the end; output names keep the input stems (so ground-truth cameras still
@@ -51,6 +58,10 @@ from splatflow.scene.imagehash import (correlation, hamming_to_many, phash, resi
                                       to_gray_f32)
 from splatflow.scene.video import is_video_path, iter_sharpest_frames, probe
 
+#: Joins the folder and the file stem in a flat output name (``cam_a/0001.jpg`` -> ``cam_a__0001.jpg``).
+FOLDER_SEP = "__"
+#: File suffixes that count as a source's own images when ``auto`` decides whether to read its sub-folders.
+IMAGE_FILE_SUFFIXES = {".jpg", ".jpeg", ".png", ".tif", ".tiff", ".bmp", ".webp", ".heic", ".heif"}
 MIN_USABLE_IMAGES = 3  # fewer cannot make a two-view model plus one image to register against it
 #: Std of the 128-px grey thumbnail (0-255) below which an image is featureless. Measured: uniform black, grey or
 #: white 800x600 frames with sensor noise of std 4 and JPEG q90 give 0.34-0.44; the views of the synthetic room and
@@ -88,6 +99,7 @@ class Candidate:
     thumb: np.ndarray  # [h, 128] float32 normalised grey thumbnail (confirms duplicates)
     written: str  # "copied" (bytes unchanged), "converted" (re-encoded) or "frame" (from a video)
     order: int  # position in processing (= output name) order
+    folder: str | None = None  # sub-folder of the source it came from ("" = the source itself) when they are read
 
 
 @dataclass
@@ -129,9 +141,15 @@ class IngestResult:
             "ignored": list(self.ignored),
             "seconds": round(self.seconds, 3),
         }
+        # the sfm stage's per-folder cameras read this; empty when the sub-folders were not read
+        out["image_folders"] = {c.out_name: c.folder for c in self.kept if c.folder is not None}
         if self.video is not None:
             out["video"] = self.video
         return out
+
+    def folder_counts(self) -> dict[str, int]:
+        """Kept images per source sub-folder (``""`` = the source itself); empty when sub-folders were not read."""
+        return dict(sorted(Counter(c.folder for c in self.kept if c.folder is not None).items()))
 
     def summary_lines(self, max_names: int = 6) -> list[str]:
         """One console line per reason anything was left out (sub-folders, hidden files, each rejection
@@ -145,7 +163,7 @@ class IngestResult:
         hidden = [n for n in self.ignored if not n.endswith("/")]
         if folders:
             lines.append(f"skipped {len(folders)} sub-folder{'s' * (len(folders) != 1)} (ingest reads only the "
-                         f"files directly in {self.source}): {names(folders)}")
+                         f"files directly in {self.source} unless sfm.camera_mode is per_folder): {names(folders)}")
         if hidden:
             lines.append(f"skipped {len(hidden)} hidden file{'s' * (len(hidden) != 1)}: {names(hidden)}")
         by_reason: dict[str, list[str]] = {}
@@ -162,11 +180,28 @@ class IngestResult:
 # --------------------------------------------------------------------------------------------- entry point
 
 
-def ingest(source: str | Path, out_dir: str | Path, cfg: IngestConfig, *, progress: bool = True) -> IngestResult:
+def reads_subfolders(source: str | Path, camera_mode: str) -> bool:
+    """Whether ingest reads the images of ``source``'s sub-folders (see the module docstring): always for
+    ``sfm.camera_mode: per_folder``; for ``auto`` when ``source`` is a folder with no image files of its own and a
+    sub-folder that is not hidden (the layout of a multi-camera rig); never for ``single`` and ``per_image``."""
+    source = Path(source).expanduser()
+    if camera_mode == "per_folder":
+        return True
+    if camera_mode != "auto" or not source.is_dir():
+        return False
+    entries = [p for p in source.iterdir() if not p.name.startswith(".")]
+    own_images = any(p.is_file() and p.suffix.lower() in IMAGE_FILE_SUFFIXES for p in entries)
+    return not own_images and any(p.is_dir() for p in entries)
+
+
+def ingest(source: str | Path, out_dir: str | Path, cfg: IngestConfig, *, progress: bool = True,
+           subfolders: bool = False) -> IngestResult:
     """Read ``source`` (folder of images or a video file), write the usable images to ``out_dir``.
 
-    ``out_dir`` is replaced as a whole (it is a pipeline output); ``source`` is never written to. Raises
-    UserError for a missing/unsupported source, overlapping source and output, or fewer than 3 usable images.
+    ``subfolders``: also read the images in ``source``'s sub-folders, with flat output names that keep the folder
+    (:func:`reads_subfolders` decides it from ``sfm.camera_mode``). ``out_dir`` is replaced as a whole (it is a
+    pipeline output); ``source`` is never written to. Raises UserError for a missing/unsupported source,
+    overlapping source and output, or fewer than 3 usable images.
     """
     t0 = time.perf_counter()
     source = Path(source).expanduser()
@@ -182,7 +217,7 @@ def ingest(source: str | Path, out_dir: str | Path, cfg: IngestConfig, *, progre
         video_info = None
         if source.is_dir():
             kind = "folder"
-            candidates, rejected, images_in, ignored = _read_folder(source, staging, cfg, progress)
+            candidates, rejected, images_in, ignored = _read_folder(source, staging, cfg, progress, subfolders)
         else:
             kind = "video"
             candidates, rejected, images_in, video_info = _read_video(source, staging, cfg, progress)
@@ -247,7 +282,9 @@ def _register_heif() -> None:
 
 
 def output_names(files: list[str], ext: str) -> dict[str, str]:
-    """Input file name -> output name: the input stem with the output extension, unique.
+    """Input file name (relative to the source, ``/``-separated) -> output name: the input stem with the output
+    extension, unique; a file in a sub-folder keeps its folder in the name (``cam_a/0001.jpg`` ->
+    ``cam_a__0001.<ext>``, see ``FOLDER_SEP``).
 
     Two inputs with one stem (``a.jpg``, ``a.png``) keep the first (in name order) as ``a.<ext>`` and give the
     other its old extension in the stem (``a_png.<ext>``).
@@ -256,12 +293,13 @@ def output_names(files: list[str], ext: str) -> dict[str, str]:
     used: set[str] = set()
     for f in sorted(files):
         p = Path(f)
-        name = f"{p.stem}.{ext}"
+        stem = FOLDER_SEP.join([*p.parent.parts, p.stem]) if p.parent != Path(".") else p.stem
+        name = f"{stem}.{ext}"
         if name.lower() in used:
-            name = f"{p.stem}_{p.suffix.lstrip('.').lower() or 'noext'}.{ext}"
+            name = f"{stem}_{p.suffix.lstrip('.').lower() or 'noext'}.{ext}"
             k = 2
             while name.lower() in used:
-                name = f"{p.stem}_{k}.{ext}"
+                name = f"{stem}_{k}.{ext}"
                 k += 1
         used.add(name.lower())
         names[f] = name
@@ -358,13 +396,29 @@ def _too_small(w: int, h: int, cfg: IngestConfig) -> _Reject | None:
     return None
 
 
-def _read_folder(source: Path, staging: Path, cfg: IngestConfig, progress: bool):
+def _list_folder(source: Path, subfolders: bool) -> tuple[list[str], list[str]]:
+    """``(files, ignored)`` relative to ``source`` (``/``-separated): the files to read, and the hidden files and
+    (unless ``subfolders``) sub-folders left out, folders with a trailing ``/``."""
     ignored, files = [], []
-    for p in sorted(source.iterdir()):
-        if p.name.startswith(".") or not p.is_file():  # .DS_Store, sub-folders: not part of the capture
-            ignored.append(p.name + ("/" if p.is_dir() else ""))
-        else:
-            files.append(p.name)
+    todo = [source]
+    while todo:
+        folder = todo.pop()
+        for p in sorted(folder.iterdir()):
+            rel = p.relative_to(source).as_posix()
+            if p.name.startswith("."):  # .DS_Store, .thumbnails/: not part of the capture
+                ignored.append(rel + ("/" if p.is_dir() else ""))
+            elif p.is_dir():
+                if subfolders:
+                    todo.append(p)
+                else:  # a backup/ or rejects/ next to the photos: not part of the capture
+                    ignored.append(rel + "/")
+            elif p.is_file():
+                files.append(rel)
+    return files, sorted(ignored)
+
+
+def _read_folder(source: Path, staging: Path, cfg: IngestConfig, progress: bool, subfolders: bool = False):
+    files, ignored = _list_folder(source, subfolders)
     names = output_names(files, cfg.image_format)
     # Process in output-name order: the neighbours of the blur check are the split's neighbours too.
     order = sorted(files, key=lambda f: (names[f], f))
@@ -390,7 +444,9 @@ def _read_folder(source: Path, staging: Path, cfg: IngestConfig, progress: bool)
         except _Reject as r:
             rejected.append(Rejection(f, r.reason, r.detail, i))
             continue
-        candidates.append(Candidate(f, names[f], w, h, score, h64, thumb, written, i))
+        folder = Path(f).parent.as_posix() if subfolders else None
+        candidates.append(Candidate(f, names[f], w, h, score, h64, thumb, written, i,
+                                    folder=None if folder is None else ("" if folder == "." else folder)))
     return candidates, rejected, len(files), ignored
 
 
@@ -496,8 +552,9 @@ def _too_few_message(result: IngestResult) -> str:
     what = "frames" if result.source_kind == "video" else "images"
     folders = [n for n in result.ignored if n.endswith("/")]
     if folders and result.images_in == 0:
-        return (f"{result.source}: no image files here, only sub-folders ({', '.join(folders[:5])}); ingest does not "
-                f"descend into sub-folders: point base.scenes.<scene>.source at the folder that holds the images.")
+        return (f"{result.source}: no image files here, only sub-folders ({', '.join(folders[:5])}); ingest reads "
+                f"sub-folders only with sfm.camera_mode: per_folder or auto (one camera per sub-folder): set that, "
+                f"or point base.scenes.<scene>.source at the folder that holds the images.")
     return (
         f"{result.source}: only {len(result.kept)} usable {what} of {result.images_in}; structure from motion "
         f"needs at least {MIN_USABLE_IMAGES}. Rejected {len(result.rejected)}"

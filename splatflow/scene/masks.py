@@ -1,7 +1,8 @@
 """Per-image masks: pixels a user wants left out of training and evaluation (people, sky, the capture rig).
 
 A mask is a grey image named like its photo (``0005.png`` or ``0005.jpg.png`` for ``0005.jpg``, or the same file
-name), white = keep, black = ignore, the size of the photo. Ingest checks and copies them
+name; a photo in a sub-folder of the source, ``cam_a/0005.jpg``, has its mask in the same sub-folder of the mask
+folder, ``cam_a/0005.png``), white = keep, black = ignore, the size of the photo. Ingest checks and copies them
 (:func:`ingest_masks`) to ``data/S/masks/<output stem>.png``, binarised at 50% grey. Training multiplies the
 loss by the mask, so a masked pixel gives no gradient; evaluation scores kept pixels only.
 
@@ -70,12 +71,12 @@ def ingest_masks(masks_dir: str | Path, kept: list, out_dir: str | Path) -> dict
     staging.mkdir(parents=True)
     missing, used, kept_fracs = [], set(), []
     for c in kept:
-        src_name = Path(c.source).name
-        p = find_mask(masks_dir, src_name)
+        src_name = c.source  # relative to the source: an image of sub-folder cam_a/ has its mask in masks/cam_a/
+        p = find_mask(masks_dir / Path(src_name).parent, Path(src_name).name)
         if p is None:
             missing.append(src_name)
             continue
-        used.add(p.name)
+        used.add(p)
         m = read_mask_file(p)
         if m.shape != (c.height_px, c.width_px):
             raise UserError(f"{p}: mask is {m.shape[1]}x{m.shape[0]} but its image {src_name} is "
@@ -90,11 +91,15 @@ def ingest_masks(masks_dir: str | Path, kept: list, out_dir: str | Path) -> dict
 
         shutil.rmtree(staging)
         raise UserError(f"{masks_dir}: no mask for {len(missing)} image(s) (e.g. {missing[0]}); give every image a "
-                        f"mask named like it ({Path(missing[0]).stem}.png), or remove base.scenes.<scene>.masks")
-    image_stems = {Path(Path(c.source).name).stem for c in kept} | {Path(c.source).name for c in kept}
-    orphans = sorted(f.name for f in masks_dir.iterdir() if f.is_file() and not f.name.startswith(".")
-                     and f.name not in used and f.suffix.lower() in MASK_SUFFIXES
-                     and Path(f.name).stem not in image_stems and f.stem not in image_stems)
+                        f"mask named like it ({Path(missing[0]).with_suffix('.png').as_posix()}), or remove "
+                        "base.scenes.<scene>.masks")
+    orphans = []
+    for folder in sorted({Path(c.source).parent for c in kept}):
+        here = [Path(c.source).name for c in kept if Path(c.source).parent == folder]
+        image_stems = {Path(n).stem for n in here} | set(here)
+        orphans += sorted((folder / f.name).as_posix() for f in (masks_dir / folder).iterdir()
+                          if f.is_file() and not f.name.startswith(".") and f not in used
+                          and f.suffix.lower() in MASK_SUFFIXES and f.stem not in image_stems)
     if orphans:
         import shutil
 
@@ -164,7 +169,7 @@ def read_view_mask(view) -> np.ndarray | None:
     if cam is not None:  # into the undistorted full-size frame first
         src = getattr(view, "source_size", None)
         fw, fh = (int(src[0]), int(src[1])) if src is not None else (w, h)
-        from splatflow.train.images import scale_intrinsics
+        from splatflow.scene.images import scale_intrinsics
 
         if m.shape != (int(cam.height), int(cam.width)):
             raise UserError(f"{path}: mask is {m.shape[1]}x{m.shape[0]} but the SfM camera of {view.name} is "

@@ -16,7 +16,7 @@ the sfm stage into views at the configured size (:class:`splatflow.config.Resolu
 
 Area downscaling is ``cv2.INTER_AREA`` on the 8-bit image (each output pixel the mean of the input pixels it
 covers, rounded to 8 bits, as a stored ``images_N`` file would be) and the intrinsics are scaled by the same
-per-axis ratios (:func:`splatflow.train.images.scale_intrinsics`), so the smaller camera sees exactly the smaller
+per-axis ratios (:func:`splatflow.scene.images.scale_intrinsics`), so the smaller camera sees exactly the smaller
 image. The full-size file is decoded only when a view is needed and dropped after resizing
 (:func:`read_view_rgb`), so memory holds only images at the working size.
 """
@@ -129,7 +129,7 @@ def apply_resolution(scene, cfg: ResolutionConfig, *, data_dir: str | Path | Non
     (without them an ``images_N`` level is not used). ``info`` is JSON-ready: ``rule``, ``image_source``,
     ``reason``, ``sizes`` and ``full_sizes``.
     """
-    from splatflow.train.images import scale_intrinsics
+    from splatflow.scene.images import scale_intrinsics
 
     views = list(scene.views)
     full_sizes = sorted({f"{v.width}x{v.height}" for v in views})
@@ -176,7 +176,7 @@ def read_view_rgb(view) -> np.ndarray:
     """``[H, W, 3]`` uint8 RGB of ``view`` at its working size: decoded, and area-downscaled when the file is
     the larger ``view.source_size`` (the full-size array is dropped at once). UserError naming the file when it
     cannot be decoded or has neither size."""
-    from splatflow.train.images import read_rgb
+    from splatflow.scene.images import read_rgb
 
     img = read_rgb(view.image_path)
     h, w = img.shape[:2]

@@ -19,7 +19,15 @@ __all__ = ["CAMERAS", "IMAGES", "POINTS", "reconstruction_tables", "validate_rec
 
 _finite = pa.Check(lambda s: np.isfinite(s.astype(float)), element_wise=False, error="must be finite")
 
-CAMERAS = pa.DataFrameSchema(
+
+def _table(name: str, columns: dict, checks: list | None = None) -> pa.DataFrameSchema:
+    """A table schema as every one here is: named (errors name the table), ``coerce`` (pandas 3 strings),
+    ``strict`` (an unexpected column is an error, not ignored)."""
+    return pa.DataFrameSchema(columns, checks=checks, coerce=True, strict=True, name=name)
+
+
+CAMERAS = _table(
+    "cameras",
     {
         "camera_id": pa.Column(int, pa.Check.ge(1), unique=True),
         "model": pa.Column(str),
@@ -37,12 +45,10 @@ CAMERAS = pa.DataFrameSchema(
         pa.Check(lambda df: (df.fx > 0.1 * df.width) & (df.fx < 10 * df.width),
                  error="focal length must be within 0.1-10x the image width"),
     ],
-    coerce=True,
-    strict=True,
-    name="cameras",
 )
 
-IMAGES = pa.DataFrameSchema(
+IMAGES = _table(
+    "images",
     {
         "image_id": pa.Column(int, pa.Check.ge(1), unique=True),
         "name": pa.Column(str, unique=True),
@@ -60,12 +66,10 @@ IMAGES = pa.DataFrameSchema(
         pa.Check(lambda df: np.abs(np.sqrt(df.qw ** 2 + df.qx ** 2 + df.qy ** 2 + df.qz ** 2) - 1.0) < 1e-6,
                  error="rotation quaternion must have unit norm"),
     ],
-    coerce=True,
-    strict=True,
-    name="images",
 )
 
-POINTS = pa.DataFrameSchema(
+POINTS = _table(
+    "points3D",
     {
         "point3d_id": pa.Column(int, pa.Check.ge(1), unique=True),
         "x": pa.Column(float, _finite),
@@ -77,9 +81,6 @@ POINTS = pa.DataFrameSchema(
         "error": pa.Column(float, [pa.Check.ge(0), _finite]),
         "track_length": pa.Column(int, pa.Check.ge(2)),  # a triangulated point needs two observations
     },
-    coerce=True,
-    strict=True,
-    name="points3D",
 )
 
 

@@ -11,9 +11,14 @@ Choices and why:
   self-calibration far better conditioned than one camera per image (COLMAP's own AUTO makes one per image).
   ``auto`` (default) groups the images by size and, when present, EXIF make/model/focal length: one COLMAP camera
   per group, so a single-camera capture gets one camera and a mixed photo collection one per camera and size.
+  ``per_folder`` gives each sub-folder of the source its own camera (a multi-camera rig stored as ``cam_a/``,
+  ``cam_b/``: identical bodies with the same EXIF are still separate lenses); ingest flattens the names and
+  records each image's folder (``folders``), and ``auto`` splits by folder too when ingest read sub-folders.
   Each group is extracted with ``CameraMode.SINGLE`` in its own call (SINGLE silently drops images of another size,
-  so a group never mixes sizes). ``single`` forces one camera (a size mix is then an error); ``per_image`` gives
-  every image its own intrinsics.
+  so a group never mixes sizes), which also gives each group its own EXIF prior; COLMAP's ``PER_FOLDER`` would
+  need the folders in the image names and takes one ``camera_params`` for all of them. ``single`` forces one
+  camera and ``per_folder`` one per folder (a size mix in it is then an error); ``per_image`` gives every image
+  its own intrinsics.
 * EXIF focal length as a prior: the 35 mm-equivalent focal length (``FocalLengthIn35mmFilm``, scaled by the
   longer image side over the 36 mm frame width) or the focal length in mm with the sensor's pixel density
   (``FocalPlaneXResolution``) gives the initial focal length in pixels, marked as a prior
@@ -48,7 +53,7 @@ from splatflow.scene.groundtruth import camera_error, read_ground_truth
 from splatflow.scene.schemas import validate_reconstruction
 
 __all__ = ["IMAGE_SUFFIXES", "list_images", "choose_matcher", "first_sift_octave", "SfmResult", "run_sfm",
-           "reconstruction_poses", "exif_camera", "camera_groups", "camera_summary", "undistort_model"]
+           "reconstruction_poses", "model_metrics", "exif_camera", "camera_groups", "camera_summary", "undistort_model"]
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".tif", ".tiff", ".bmp"}
 _PINHOLE = {"PINHOLE", "SIMPLE_PINHOLE"}
@@ -72,17 +77,21 @@ def _image_size(path: Path) -> tuple[int, int]:
         raise UserError(f"{path}: cannot read this image ({e}); remove it or rerun the ingest stage") from None
 
 
-def _check_one_size(images_dir: Path, names: list[str]) -> tuple[int, int]:
-    """All images must share one size (``sfm.camera_mode: single``); returns (width, height)."""
+def _check_one_size(images_dir: Path, infos: list[tuple], mode: str, folder: str | None = None) -> tuple[int, int]:
+    """All images of one camera must share one size (``sfm.camera_mode: single`` or ``per_folder``); ``infos`` are
+    ``(name, width, height, exif)``; returns (width, height)."""
     sizes: dict[tuple[int, int], list[str]] = {}
-    for n in names:
-        sizes.setdefault(_image_size(images_dir / n), []).append(n)
+    for n, w, h, _ in infos:
+        sizes.setdefault((w, h), []).append(n)
     if len(sizes) > 1:
         common = max(sizes, key=lambda s: len(sizes[s]))
         odd = [n for s, ns in sizes.items() if s != common for n in ns]
-        raise UserError(f"{images_dir}: images have {len(sizes)} different sizes (most are {common[0]}x{common[1]}; "
-                        f"e.g. {odd[0]} is not), but sfm.camera_mode = single shares one camera, which needs one "
-                        f"size. Set sfm.camera_mode: auto (one camera per size and EXIF camera) or remove those images")
+        which = "images" if folder is None else f"the images of source sub-folder '{folder or '.'}'"
+        raise UserError(f"{images_dir}: {which} have {len(sizes)} different sizes (most are {common[0]}x{common[1]}; "
+                        f"e.g. {odd[0]} is not), but sfm.camera_mode = {mode} shares one camera"
+                        f"{'' if folder is None else ' per folder'}, which needs one size. Set sfm.camera_mode: auto "
+                        f"(one camera per size and EXIF camera{'' if folder is None else ' within each folder'}) or "
+                        f"remove those images")
     return next(iter(sizes))
 
 
@@ -157,35 +166,54 @@ class CameraGroup:
     width: int
     height: int
     exif: ExifCamera
+    folder: str | None = None  # the source sub-folder of its images (per_folder, or auto on sub-folders)
 
     @property
     def label(self) -> str:
         who = " ".join(x for x in (self.exif.make, self.exif.model) if x) or "no EXIF camera"
         focal = f", {self.exif.focal_mm:g} mm" if self.exif.focal_mm else ""
-        return f"{self.width}x{self.height} ({who}{focal})"
+        where = "" if self.folder is None else f"folder {self.folder or '.'}: "
+        return f"{where}{self.width}x{self.height} ({who}{focal})"
 
 
-def camera_groups(images_dir: Path, names: list[str], mode: str) -> list[CameraGroup]:
-    """Split ``names`` into the cameras of ``sfm.camera_mode`` (see the module docstring), in name order."""
+def _shared_camera(images_dir: Path, infos: list[tuple], mode: str, folder: str | None = None) -> CameraGroup:
+    """One camera for all of ``infos`` (``(name, width, height, exif)``, one size): the median EXIF prior."""
+    w, h = _check_one_size(images_dir, infos, mode, folder)
+    with_prior = [e for *_, e in infos if e.focal_px is not None]
+    e = with_prior[0] if with_prior else infos[0][3]
+    if with_prior:  # one camera: the median prior of its images
+        e = ExifCamera(e.make, e.model, e.focal_mm, e.focal_35mm,
+                       float(np.median([x.focal_px for x in with_prior])), e.focal_from)
+    return CameraGroup([n for n, *_ in infos], w, h, e, folder)
+
+
+def camera_groups(images_dir: Path, names: list[str], mode: str,
+                  folders: dict[str, str] | None = None) -> list[CameraGroup]:
+    """Split ``names`` into the cameras of ``sfm.camera_mode`` (see the module docstring), in name order.
+
+    ``folders``: image name -> the source sub-folder ingest read it from (``""`` = the source itself); None or
+    empty when ingest read no sub-folders. ``per_folder`` without it is one folder, so one camera.
+    """
     infos = []
     for n in names:
         w, h = _image_size(images_dir / n)
         infos.append((n, w, h, exif_camera(images_dir / n, w, h)))
+    folders = folders or {}
     if mode == "single":
-        w, h = _check_one_size(images_dir, names)
-        with_prior = [e for *_, e in infos if e.focal_px is not None]
-        e = with_prior[0] if with_prior else infos[0][3]
-        if with_prior:  # one camera: the median prior of its images
-            e = ExifCamera(e.make, e.model, e.focal_mm, e.focal_35mm,
-                           float(np.median([x.focal_px for x in with_prior])), e.focal_from)
-        return [CameraGroup(list(names), w, h, e)]
+        return [_shared_camera(images_dir, infos, mode)]
     if mode == "per_image":
-        return [CameraGroup([n], w, h, e) for n, w, h, e in infos]
+        return [CameraGroup([n], w, h, e, folders.get(n)) for n, w, h, e in infos]
+    if mode == "per_folder":
+        by_folder: dict[str, list[tuple]] = {}
+        for info in infos:
+            by_folder.setdefault(folders.get(info[0], ""), []).append(info)
+        return [_shared_camera(images_dir, fi, mode, f) for f, fi in by_folder.items()]
     groups: dict[tuple, CameraGroup] = {}
     for n, w, h, e in infos:
-        key = (w, h, e.make, e.model, e.focal_mm, e.focal_35mm)  # no EXIF: (w, h, None, ...) = one per size
+        # no EXIF: (folder, w, h, None, ...) = one camera per size (and sub-folder)
+        key = (folders.get(n), w, h, e.make, e.model, e.focal_mm, e.focal_35mm)
         if key not in groups:
-            groups[key] = CameraGroup([], w, h, e)
+            groups[key] = CameraGroup([], w, h, e, folders.get(n))
         groups[key].names.append(n)
     return list(groups.values())
 
@@ -226,6 +254,30 @@ def reconstruction_poses(rec) -> dict[str, np.ndarray]:
             m = np.eye(4)
             m[:3, :] = np.asarray(im.cam_from_world().matrix(), dtype=np.float64)
             out[im.name] = m
+    return out
+
+
+def model_metrics(rec, truth=None) -> dict:
+    """The sfm.json fields of a model, computed or imported alike (docs/CONTRACTS.md): ``images_registered``,
+    ``points3d``, ``mean_reprojection_error_px``, ``mean_track_length``, the camera errors against ``truth``
+    (ground-truth cameras of :func:`splatflow.scene.groundtruth.read_ground_truth`; None without) and
+    ``seconds`` (None: the caller fills it in at the end)."""
+    out = {
+        "images_registered": int(rec.num_reg_images()),
+        "points3d": int(rec.num_points3D()),
+        "mean_reprojection_error_px": float(rec.compute_mean_reprojection_error()),
+        "mean_track_length": float(rec.compute_mean_track_length()),
+        "camera_center_error_rel": None,
+        "camera_rotation_error_deg": None,
+        "seconds": None,
+    }
+    if truth is not None:
+        err = camera_error(reconstruction_poses(rec), truth)
+        out["camera_center_error_rel"] = err.center_error_rel
+        out["camera_rotation_error_deg"] = err.rotation_error_deg
+        _say(f"camera centres vs ground truth ({err.matched} images): mean error "
+             f"{100 * err.center_error_rel:.3f}% of the orbit extent, orientation error "
+             f"{err.rotation_error_deg:.3f} deg")
     return out
 
 
@@ -291,6 +343,8 @@ def camera_summary(rec, groups: dict[str, CameraGroup] | None = None) -> list[di
                  "height": int(cam.height), "images": len(ims), "focal_px": round(float(cam.mean_focal_length()), 3)}
         g = groups.get(ims[0]) if groups else None
         if g is not None:
+            if g.folder is not None:
+                entry["folder"] = g.folder
             entry["exif_camera"] = " ".join(x for x in (g.exif.make, g.exif.model) if x) or None
             entry["focal_prior_px"] = None if g.exif.focal_px is None else round(g.exif.focal_px, 3)
             entry["focal_prior_from"] = g.exif.focal_from
@@ -334,9 +388,10 @@ def undistort_model(sparse_dir: Path, images_dir: Path, out_dir: Path, final_dir
 
 def run_sfm(images_dir: str | Path, sparse_dir: str | Path, undistorted_dir: str | Path, cfg: SfmConfig, *,
             seed: int = 0, threads: int = 2, ordered_sequence: bool = False, ground_truth: str | Path | None = None,
-            progress: bool = True) -> SfmResult:
+            progress: bool = True, folders: dict[str, str] | None = None) -> SfmResult:
     """Run SfM on every image in ``images_dir``; write the largest model to ``sparse_dir`` (COLMAP binary) and the
-    PINHOLE-undistorted images and model to ``undistorted_dir/{images,sparse}``.
+    PINHOLE-undistorted images and model to ``undistorted_dir/{images,sparse}``. ``folders``: image name -> source
+    sub-folder, as ingest recorded it (ingest.json ``image_folders``), for the per-folder cameras.
 
     Returns the metrics of docs/CONTRACTS.md (``images_total``, ``images_registered``, ``points3d``,
     ``mean_reprojection_error_px``, ``mean_track_length``, ``camera_center_error_rel``, ``seconds``) plus
@@ -350,7 +405,7 @@ def run_sfm(images_dir: str | Path, sparse_dir: str | Path, undistorted_dir: str
     names = list_images(images_dir)
     if len(names) < 3:
         raise UserError(f"{images_dir}: {len(names)} images found; SfM needs at least 3 overlapping photos")
-    groups = camera_groups(images_dir, names, cfg.camera_mode)
+    groups = camera_groups(images_dir, names, cfg.camera_mode, folders)
     width, height = max(g.width for g in groups), max(g.height for g in groups)
     truth = read_ground_truth(ground_truth) if ground_truth is not None else None  # fail early on a bad path
     matcher = choose_matcher(cfg, len(names), ordered_sequence)
@@ -452,23 +507,10 @@ def run_sfm(images_dir: str | Path, sparse_dir: str | Path, undistorted_dir: str
         metrics = {
             "source": "computed",  # "imported" when an existing COLMAP model is used (splatflow.scene.colmap)
             "images_total": len(names),
-            "images_registered": int(n_reg),
-            "points3d": int(rec.num_points3D()),
-            "mean_reprojection_error_px": float(rec.compute_mean_reprojection_error()),
-            "mean_track_length": float(rec.compute_mean_track_length()),
-            "camera_center_error_rel": None,
-            "camera_rotation_error_deg": None,
-            "seconds": None,
+            **model_metrics(rec, truth),
             "camera_mode": cfg.camera_mode,
             "cameras": camera_summary(rec, {n: g for g in groups for n in g.names}),
         }
-        if truth is not None:
-            err = camera_error(reconstruction_poses(rec), truth)
-            metrics["camera_center_error_rel"] = err.center_error_rel
-            metrics["camera_rotation_error_deg"] = err.rotation_error_deg
-            _say(f"camera centres vs ground truth ({err.matched} images): mean error "
-                 f"{100 * err.center_error_rel:.3f}% of the orbit extent, orientation error "
-                 f"{err.rotation_error_deg:.3f} deg")
 
         staged_sparse = tmp / "sparse"
         staged_sparse.mkdir()

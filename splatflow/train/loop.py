@@ -31,7 +31,7 @@ from splatflow.device import resolve as resolve_device
 from splatflow.device import to_device
 from splatflow.errors import UserError
 from splatflow.model import SPLAT_KEYS, init_splats, load_checkpoint, save_checkpoint, scene_scale
-from splatflow.train.images import ImageCache
+from splatflow.scene.images import ImageCache
 from splatflow.train.prune_during import PruneDuring
 from splatflow.train.schedules import (BlurSchedule, ExpDecay, PlateauStopper, ResolutionSchedule, Schedules,
                                        SHSchedule, gaussian_blur_pair)
@@ -166,7 +166,7 @@ class Trainer:
         self.views = list(scene.train_views)
         self.cache = ImageCache(self.views, cfg.image_cache_mb)
         # One device for the whole run (CUDA with a GPU and backend auto/cuda, else the CPU): every tensor below
-        # is made on it or moved to it; images are decoded on the host and uploaded per step (train/images.py).
+        # is made on it or moved to it; images are decoded on the host and uploaded per step (scene/images.py).
         self.run_device = resolve_device(cfg.backend)
         self.device = self.run_device.device
         reset_peak_memory(self.run_device)
@@ -217,14 +217,11 @@ class Trainer:
         """
         from splatflow.render import rasterize
 
-        target, K = self.cache.get(i, factor, device=self.device)
-        mask = self.cache.mask(i, factor)  # [H, W] bool keep-mask, None without masks
-        h, w = target.shape[:2]
+        w, h = self.cache.shape(i, factor)
         win = patch_window(w, h, self.cfg.patch_max_pixels) if patch else None
-        if win is not None:
-            x0, y0, pw, ph = win
-            target = target[y0:y0 + ph, x0:x0 + pw]
-            mask = None if mask is None else mask[y0:y0 + ph, x0:x0 + pw]
+        # only the window's pixels are converted and uploaded; K is the whole level's
+        target, K = self.cache.get(i, factor, device=self.device, window=win)
+        mask = self.cache.mask(i, factor, window=win)  # [H, W] bool keep-mask, None without masks
         p = self.params
         k = (sh_degree + 1) ** 2
         colors = torch.cat([p["sh0"], p["shN"][:, : k - 1]], dim=1)  # [N, K, 3]

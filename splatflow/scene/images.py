@@ -1,5 +1,8 @@
 """Training targets per resolution level: decoded once, area-downsampled, cached within a memory budget.
 
+Part of the scene package (not of training) because resolution, masks, pruning and evaluation read images the
+same way; living here keeps those stages independent of the training code.
+
 Decoding a JPEG costs more than a low-resolution training step, so every (view, level) is produced once:
 the full-resolution undistorted image is decoded, resized with area averaging (``cv2.INTER_AREA``: each
 output pixel is the mean of the input pixels it covers, the right low-pass filter for downsampling), and
@@ -82,9 +85,16 @@ class ImageCache:
         self._put(key, arr)
         return arr
 
-    def mask(self, i: int, factor: float) -> torch.Tensor | None:
-        """``[H, W]`` bool keep-mask of view ``i`` at ``factor`` (None: the view has no mask). A pixel of a
-        smaller level is kept only when every working-size pixel it averages is (splatflow.scene.masks)."""
+    def shape(self, i: int, factor: float) -> tuple[int, int]:
+        """``(width, height)`` of view ``i`` at ``factor``, without decoding anything (the size :meth:`get` returns
+        for the whole level)."""
+        v = self.views[i]
+        return level_size(v.width, v.height, factor)
+
+    def mask(self, i: int, factor: float, window: tuple[int, int, int, int] | None = None) -> torch.Tensor | None:
+        """``[H, W]`` bool keep-mask of view ``i`` at ``factor`` (None: the view has no mask), or of ``window``
+        ``(x0, y0, w, h)`` of it. A pixel of a smaller level is kept only when every working-size pixel it averages
+        is (splatflow.scene.masks)."""
         if getattr(self.views[i], "mask_path", None) is None:
             return None
         key = (i, float(factor), "mask")
@@ -105,16 +115,30 @@ class ImageCache:
                 self._put(key, arr)
         else:
             self._cache.move_to_end(key)
-        return torch.from_numpy(arr.astype(bool))
+        return torch.from_numpy(_crop(arr, window).astype(bool))
 
-    def get(self, i: int, factor: float, device: torch.device | str = "cpu") -> tuple[torch.Tensor, np.ndarray]:
+    def get(self, i: int, factor: float, device: torch.device | str = "cpu",
+            window: tuple[int, int, int, int] | None = None) -> tuple[torch.Tensor, np.ndarray]:
         """``(image [H, W, 3] float32 in [0, 1] on device, K [3, 3])`` of view ``i`` at resolution ``factor``.
 
         The cache holds uint8 on the host; the upload to a GPU moves those bytes (4x fewer than float32) and
-        converts there.
+        converts there. With ``window = (x0, y0, w, h)`` (a training patch) only those pixels are converted and
+        uploaded (``[h, w, 3]``), while ``K`` stays that of the whole level: the rasterizer's ``window`` renders
+        that part of the whole view with the whole view's camera.
         """
         arr = self._get_u8(i, factor)
         v = self.views[i]
         h, w = arr.shape[:2]
-        img = torch.from_numpy(arr).to(device).float().mul_(1.0 / 255.0)  # [H, W, 3]
+        img = torch.from_numpy(_crop(arr, window)).to(device).float().mul_(1.0 / 255.0)  # [H, W, 3] or [h, w, 3]
         return img, scale_intrinsics(v.K, v.width, v.height, w, h)
+
+
+def _crop(arr: np.ndarray, window: tuple[int, int, int, int] | None) -> np.ndarray:
+    """``arr [H, W, ...]`` cut to ``window (x0, y0, w, h)`` (a view, no copy); ValueError when it leaves the image."""
+    if window is None:
+        return arr
+    x0, y0, w, h = (int(x) for x in window)
+    H, W = arr.shape[:2]
+    if not (0 <= x0 and 0 <= y0 and w > 0 and h > 0 and x0 + w <= W and y0 + h <= H):
+        raise ValueError(f"window {window} (x0, y0, w, h) does not lie inside the {W}x{H} image")
+    return arr[y0:y0 + h, x0:x0 + w]
