@@ -12,7 +12,7 @@ from splatflow.config import Params
 from splatflow.errors import UserError
 from splatflow.paths import ScenePaths
 from splatflow.scene import colmap
-from splatflow.scene.ingest import ingest, reads_subfolders
+from splatflow.scene.ingest import ingest, reads_subfolders, write_image_folders
 from splatflow.stage import stage_main
 
 
@@ -60,6 +60,9 @@ def run(params: Params, paths: ScenePaths) -> dict:
         print(f"ingest [{paths.scene}]: details per file: {paths.metrics_json('ingest')} (\"rejected\", \"ignored\")")
     metrics = result.metrics()
     metrics["source"] = params.scene(paths.scene).source  # as written in params.yaml: same on every clone
+    # The sfm stage's per-folder cameras read the folders from this file rather than from ingest.json, whose
+    # timings change on every run: a rerun of ingest that writes the same images must not rerun SfM.
+    write_image_folders(paths.data_dir, metrics["image_folders"])
     if levels is not None:
         metrics["colmap_model"] = scene.colmap
         metrics["levels"] = levels

@@ -12,6 +12,7 @@ from pathlib import Path
 from splatflow.config import Params
 from splatflow.paths import ScenePaths
 from splatflow.scene import colmap
+from splatflow.scene.ingest import read_image_folders
 from splatflow.scene.sfm import run_sfm
 from splatflow.stage import stage_main
 
@@ -39,15 +40,6 @@ def _import(params: Params, paths: ScenePaths, gt: Path | None):
                                rejected=rejected, threads=params.base.threads, ground_truth=gt)
 
 
-def _image_folders(paths: ScenePaths) -> dict[str, str] | None:
-    """Image name -> the source sub-folder ingest read it from (ingest.json ``image_folders``), or None when
-    ingest read no sub-folders (or ran elsewhere: a bare images folder)."""
-    ingest_json = paths.metrics_json("ingest")
-    if not ingest_json.exists():
-        return None
-    return json.loads(ingest_json.read_text()).get("image_folders") or None
-
-
 def run(params: Params, paths: ScenePaths) -> dict:
     """SfM for one scene; returns the sfm.json metrics."""
     scene = params.scene(paths.scene)
@@ -59,7 +51,7 @@ def run(params: Params, paths: ScenePaths) -> dict:
     else:
         result = run_sfm(paths.images_dir, paths.sparse_dir, paths.undistorted_dir, params.sfm,
                          seed=params.base.seed, threads=params.base.threads, ordered_sequence=from_video,
-                         ground_truth=gt, folders=_image_folders(paths))
+                         ground_truth=gt, folders=read_image_folders(paths.data_dir))
     m = result.metrics
     m.setdefault("matcher", result.matcher)  # what sfm.matcher: auto chose
     print(f"sfm [{paths.scene}]: {m['images_registered']}/{m['images_total']} images registered, {m['points3d']} "

@@ -375,8 +375,7 @@ def test_rig_in_sub_folders_registers_one_camera_per_folder(rig, tmp_path):
     assert m_ingest["images_kept"] == 16 and m_ingest["ignored"] == []
     assert m_ingest["image_folders"] == {n: RIG_FOLDERS[c] for n, (c, _, _) in truth.items()}
     assert sorted(p.name for p in paths.images_dir.iterdir()) == sorted(truth)
-    paths.metrics_json("ingest").parent.mkdir(parents=True, exist_ok=True)
-    paths.metrics_json("ingest").write_text(json.dumps(m_ingest))  # what stage_main writes; sfm reads it
+    assert json.loads((paths.data_dir / "image_folders.json").read_text()) == m_ingest["image_folders"]
 
     m = sfm_stage.run(params, paths)
     assert m["camera_mode"] == "auto" and m["images_registered"] == 16 and m["camera_center_error_rel"] < 0.01

@@ -29,8 +29,9 @@ Why each step exists
   ``cam_b/0001.jpg``). With ``sfm.camera_mode: per_folder``, or ``auto`` on a source that holds sub-folders but
   no image files of its own, the images of every sub-folder (any depth; hidden ones skipped) are read too
   (:func:`reads_subfolders`). Their output names keep the folder, flattened: ``cam_a/0001.jpg`` ->
-  ``cam_a__0001.jpg`` (one flat folder is what COLMAP, the split, masks and renders work on), and ingest.json's
-  ``image_folders`` maps each output name to its folder, so the sfm stage gives each folder its own camera.
+  ``cam_a__0001.jpg`` (one flat folder is what COLMAP, the split, masks and renders work on), and
+  ``image_folders`` (in ingest.json, and in ``data/<scene>/image_folders.json`` for the sfm stage) maps each output
+  name to its folder, so the sfm stage gives each folder its own camera.
   Otherwise sub-folders are skipped and listed (a ``backup/`` next to the photos is not part of the capture).
 
 Guarantees: the source is only read, never written (its folder may be read-only); the output is written to a
@@ -178,6 +179,33 @@ class IngestResult:
 
 
 # --------------------------------------------------------------------------------------------- entry point
+
+
+IMAGE_FOLDERS_FILE = "image_folders.json"  # in data/<scene>/, next to images/
+
+
+def write_image_folders(data_dir: str | Path, folders: dict[str, str]) -> Path:
+    """Write ``{output name: source sub-folder}`` to ``data_dir/image_folders.json`` (``{}`` when ingest read no
+    sub-folders); the bytes depend on the mapping only, so an unchanged capture gives an unchanged file."""
+    import json
+
+    path = Path(data_dir) / IMAGE_FOLDERS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dict(sorted(folders.items())), indent=1) + "\n")
+    return path
+
+
+def read_image_folders(data_dir: str | Path) -> dict[str, str] | None:
+    """What :func:`write_image_folders` wrote, or None when absent or empty (no sub-folders were read)."""
+    import json
+
+    path = Path(data_dir) / IMAGE_FOLDERS_FILE
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text()) or None
+    except ValueError:
+        raise UserError(f"{path}: not valid JSON; rerun the ingest stage (it writes this file)") from None
 
 
 def reads_subfolders(source: str | Path, camera_mode: str) -> bool:
