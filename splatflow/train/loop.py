@@ -303,7 +303,8 @@ class Trainer:
     @torch.no_grad()
     def row_psnr(self) -> float:
         """PSNR of the last :meth:`train_step`'s render against its target (over the kept pixels with a mask),
-        computed only for the rows the loop keeps."""
+        computed only for the rows the loop keeps. The step leaves its render and target for it; both are its own
+        tensors (the image cache hands out a fresh target per call), so validation in between changes neither."""
         rgb, target, mask = self._psnr_inputs
         err = (rgb.clamp(0, 1) - target) ** 2  # [H, W, 3]
         mse = float(err.mean() if mask is None or not bool(mask.any()) else err[mask].mean())
