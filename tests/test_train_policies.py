@@ -11,8 +11,9 @@ import torch
 from splatflow.config import ConfigError, TrainConfig, params_from_dict
 from splatflow.scene.images import ImageCache, scale_intrinsics
 from splatflow.train.schedules import ExpDecay, PlateauStopper, Schedules, gaussian_blur
-from splatflow.train.strategies import (BudgetedDefaultStrategy, TorchMCMCStrategy, compute_relocation_torch,
-                                        relocation_coefficients)
+from splatflow.train.strategies import (BudgetedDefaultStrategy, Strategy, TorchMCMCStrategy,
+                                        compute_relocation_torch, relocate, relocation_coefficients, rendered,
+                                        sample_add)
 
 
 def test_default_resolution_phases_and_boundaries():
@@ -202,3 +203,103 @@ def test_mcmc_strategy_runs_on_cpu_and_respects_cap():
         strat.step_post_backward(p, opts, state, step, {}, lr=1e-3)
     assert p["means"].shape[0] == 215
     assert torch.isfinite(p["means"]).all()
+
+
+def test_relocate_and_sample_add_take_gsplats_arguments_and_keep_the_composite_opacity():
+    """The torch ops called as gsplat's are (params, optimizers, state, mask | n, table, min_opacity)."""
+    coef = relocation_coefficients(51)
+    p, opts = _params(50)
+    with torch.no_grad():
+        p["opacities"][:5] = -10.0  # dead
+    stat = torch.arange(50, dtype=torch.float32) + 1.0  # a per-Gaussian running statistic
+    state = {"stat": stat}
+    o_before = torch.sigmoid(p["opacities"].detach()).clone()
+    dead = torch.sigmoid(p["opacities"].detach()) <= 0.005
+    torch.manual_seed(0)
+    relocate(p, opts, state, dead, coef, 0.005)
+    o = torch.sigmoid(p["opacities"].detach())
+    assert p["means"].shape[0] == 50 and bool((o > 0.005).all())
+    # each dead row is now a copy of a live one; that one and its copies (r in all) share its opacity so that
+    # r of them composite to the opacity it had
+    changed = (~dead) & (o != o_before)
+    assert int(changed.sum()) >= 1 and int(changed.sum()) <= 5 and state["stat"][changed].eq(0).all()
+    for j in changed.nonzero().flatten().tolist():
+        copies = int((p["means"].detach() == p["means"].detach()[j]).all(-1).sum())
+        assert 1 - (1 - float(o[j])) ** copies == pytest.approx(float(o_before[j]), rel=1e-4)
+        assert opts["means"].state[p["means"]]["exp_avg"][j].eq(0).all()
+    assert torch.equal(state["stat"][~dead & ~changed], stat[~dead & ~changed])
+    sample_add(p, opts, state, 7, coef, 0.005)
+    assert p["means"].shape[0] == 57 and state["stat"].shape[0] == 57 and state["stat"][50:].eq(0).all()
+    assert all(o.state[p[k]]["exp_avg"].shape[0] == 57 for k, o in opts.items())
+    sample_add(p, opts, state, 0, coef)  # nothing to add: a no-op
+    relocate(p, opts, state, torch.ones(57, dtype=torch.bool), coef)  # nothing alive to move onto: a no-op
+    assert p["means"].shape[0] == 57
+
+
+def test_torch_ops_take_gsplats_arguments_in_gsplats_order():
+    """The MCMC strategy calls either set positionally (gsplat's CUDA ops on a GPU, ours on the CPU)."""
+    import inspect
+
+    from gsplat.strategy import ops as gsplat_ops
+
+    from splatflow.train.strategies import inject_noise_to_position
+
+    for ours, theirs in ((relocate, gsplat_ops.relocate), (sample_add, gsplat_ops.sample_add),
+                         (inject_noise_to_position, gsplat_ops.inject_noise_to_position)):
+        names = ["binoms" if n == "coef" else n for n in inspect.signature(ours).parameters]  # the table differs
+        assert names == list(inspect.signature(theirs).parameters), ours.__name__
+
+
+def test_rendered_is_one_mask_for_both_radii_layouts():
+    r2 = torch.tensor([[[3, 2], [0, 0], [4, 0]], [[0, 0], [0, 0], [1, 1]]])  # [C=2, N=3, 2]
+    assert rendered({"radii": r2}).tolist() == [True, False, True]
+    assert rendered({"radii": r2}, per_view=True).tolist() == [[True, False, False], [False, False, True]]
+    assert rendered({"radii": r2[..., 0]}).tolist() == [True, False, True]  # [C, N]
+
+
+def test_the_loop_needs_only_the_strategy_protocol(tmp_path):
+    """Any object with the protocol's methods plugs into the loop: its loss terms are added to the loss, and its
+    hooks run in order with the step's position learning rate."""
+    from dataclasses import replace
+
+    from splatflow.scene.dataset import load_scene
+    from splatflow.train import Trainer
+    from tests._tiny import write_tiny_scene
+
+    d = write_tiny_scene(tmp_path, width=64, height=48, n_points=300)
+    scene = load_scene(d, d / "split.json")
+    cfg = TrainConfig(max_steps=10, backend="cpu", progress=False)
+    cfg = replace(cfg, early_stop=replace(cfg.early_stop, enabled=False),
+                  densify=replace(cfg.densify, strategy="none"))
+
+    class Recorder:
+        def __init__(self, term):
+            self.term, self.calls, self.last_event = term, [], None
+
+        def initialize_state(self, scene_scale=1.0, device="cpu"):
+            return {}
+
+        def loss_terms(self, params, info):
+            self.calls.append("loss_terms")
+            return None if self.term is None else params["opacities"].sum() * 0.0 + self.term
+
+        def step_pre_backward(self, params, optimizers, state, step, info):
+            self.calls.append("pre")
+
+        def step_post_backward(self, params, optimizers, state, step, info, *, lr=0.0):
+            self.calls.append(("post", step, lr))
+            self.last_event = {"step": step, "added": 0, "gaussians": params["means"].shape[0]}
+
+    losses = []
+    for term in (None, 0.25):
+        tr = Trainer(scene, cfg, seed=0)
+        tr.strategy = Recorder(term)
+        assert isinstance(tr.strategy, Strategy) and isinstance(BudgetedDefaultStrategy(cap=1), Strategy) \
+            and isinstance(TorchMCMCStrategy(), Strategy)
+        torch.manual_seed(0)
+        import random
+        random.seed(0)
+        losses.append(tr.train_step()["loss"])
+        assert tr.strategy.calls == ["pre", "loss_terms", ("post", 0, tr.sched.means_lr.lr(0))]
+        assert tr.events and tr.events[-1]["step"] == 0  # the strategy's event is logged
+    assert losses[1] == pytest.approx(losses[0] + 0.25, rel=1e-6)

@@ -35,9 +35,11 @@ from splatflow.scene.images import ImageCache
 from splatflow.train.prune_during import PruneDuring
 from splatflow.train.schedules import (BlurSchedule, ExpDecay, PlateauStopper, ResolutionSchedule, Schedules,
                                        SHSchedule, gaussian_blur_pair)
-from splatflow.train.strategies import TorchMCMCStrategy, make_strategy
+from splatflow.train.strategies import make_strategy, rendered
 
 log = logging.getLogger("splatflow.train")
+
+_NAN_CHECKED = ("means", "opacities", "scales")  # the groups whose NaN/Inf the step checks (after the strategy)
 
 CSV_FIELDS = ("step", "phase", "resolution", "sigma", "loss", "l1", "ssim", "psnr", "gaussians", "seconds")
 
@@ -133,13 +135,6 @@ class TrainResult:
     resumed_from: int | None = None  # step of the unfinished checkpoint this run continued, if any
     device: dict = field(default_factory=dict)  # splatflow.device.run_record: what ran, peak GPU memory
     prune_during: dict | None = None  # train.prune_during's report (PruneDuring.report), when it ran
-
-
-def rendered(info: dict) -> torch.Tensor:
-    """[N] bool: the Gaussians a render reached in any of its views (or its window): radii > 0."""
-    radii = info["radii"]
-    seen = (radii > 0).all(-1) if radii.dim() == 3 else radii > 0  # [C, N]
-    return seen.any(0)
 
 
 class Trainer:
@@ -245,23 +240,6 @@ class Trainer:
             vals.append(-10.0 * math.log10(max(mse, 1e-12)))
         return float(np.mean(vals))
 
-    def _mcmc_regulariser(self, info: dict) -> torch.Tensor:
-        """3DGS-MCMC's opacity and scale L1 terms, averaged over the Gaussians this step RENDERS.
-
-        The paper averages over all Gaussians; with Adam that is harmless only when a view shows most of them.
-        On a window (``patch_max_pixels``) or a partial view, an unseen Gaussian's only gradient would be the
-        regulariser's, which Adam rescales to a full-size step: its opacity would be driven to zero (and the
-        Gaussian relocated) in a few hundred steps without the images ever asking for it (measured: validation
-        PSNR fell 0.6 dB over the last phase, bench/RESULTS.md). The mean over the rendered ones keeps the
-        paper's balance between the two losses, since the photometric term is a mean over the rendered pixels.
-        """
-        d = self.cfg.densify
-        vis = rendered(info)
-        if not bool(vis.any()):
-            return self.params["means"].new_zeros(())
-        return d.mcmc_opacity_reg * torch.sigmoid(self.params["opacities"][vis]).mean() \
-            + d.mcmc_scale_reg * torch.exp(self.params["scales"][vis]).mean()
-
     # ------------------------------------------------------------------------------------------ one step
     def train_step(self) -> dict:
         step, cfg, s = self.step, self.cfg, self.sched
@@ -285,8 +263,10 @@ class Trainer:
         loss, l1, ssim_v = self.loss_fn(pred, gt, sigma, cfg.ssim_lambda)
         if mask is not None:  # the means ran over every pixel: rescale to a mean over the kept ones
             loss = loss * (mask.numel() / max(int(mask.sum()), 1))
-        if isinstance(self.strategy, TorchMCMCStrategy):  # 3DGS-MCMC regularisers (Kheradmand et al. 2024 §4.3)
-            loss = loss + self._mcmc_regulariser(info)
+        if self.strategy is not None:  # the strategy's own terms (3DGS-MCMC's opacity and scale regularisers)
+            terms = self.strategy.loss_terms(self.params, info)
+            if terms is not None:
+                loss = loss + terms
         if not self._grad_checked and not loss.requires_grad:
             raise GradientHealthError(
                 f"the training loss does not depend on the Gaussians at all (view {self.views[i].name}): the render "
@@ -303,25 +283,32 @@ class Trainer:
             for opt in self.optimizers.values():
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-        if isinstance(self.strategy, TorchMCMCStrategy):
+        if self.strategy is not None:
             self.strategy.step_post_backward(self.params, self.optimizers, self.strategy_state, step, info,
                                              lr=s.means_lr.lr(step))
-        elif self.strategy is not None:
-            self.strategy.step_post_backward(self.params, self.optimizers, self.strategy_state, step, info)
-        with torch.no_grad():  # one scalar: any NaN/Inf entry makes its group's sum non-finite
-            sums = {k: float(self.params[k].sum()) for k in ("means", "opacities", "scales")}
-        bad = [k for k, v in sums.items() if not math.isfinite(v)]
-        if bad:
-            raise FloatingPointError(f"parameters {', '.join(bad)} became NaN/Inf at step {step}")
+        with torch.no_grad():  # any NaN/Inf entry makes its group's sum non-finite: one check, one host sync
+            sums = torch.stack([self.params[k].sum() for k in _NAN_CHECKED])
+            if not bool(torch.isfinite(sums).all()):
+                bad = [k for k, v in zip(_NAN_CHECKED, sums.tolist()) if not math.isfinite(v)]
+                raise FloatingPointError(f"parameters {', '.join(bad)} became NaN/Inf at step {step}")
         ev = getattr(self.strategy, "last_event", None)
         if ev:
             self._log_event(ev)
-        with torch.no_grad():
-            err = (rgb.detach().clamp(0, 1) - target) ** 2  # [H, W, 3]
-            mse = float(err.mean() if mask is None or not bool(mask.any()) else err[mask].mean())
+        # the training PSNR is four image-sized ops for a number only logged rows show: kept for :meth:`row_psnr`
+        self._psnr_inputs = (rgb.detach(), target, mask)
         return {"step": step + 1, "phase": phase, "resolution": f"{info['width']}x{info['height']}",
                 "sigma": round(sigma, 4), "loss": loss_f, "l1": float(l1.detach()), "ssim": float(ssim_v.detach()),
-                "psnr": -10.0 * math.log10(max(mse, 1e-12)), "gaussians": self.params["means"].shape[0]}
+                "gaussians": self.params["means"].shape[0]}
+
+    @torch.no_grad()
+    def row_psnr(self) -> float:
+        """PSNR of the last :meth:`train_step`'s render against its target (over the kept pixels with a mask),
+        computed only for the rows the loop keeps. The step leaves its render and target for it; both are its own
+        tensors (the image cache hands out a fresh target per call), so validation in between changes neither."""
+        rgb, target, mask = self._psnr_inputs
+        err = (rgb.clamp(0, 1) - target) ** 2  # [H, W, 3]
+        mse = float(err.mean() if mask is None or not bool(mask.any()) else err[mask].mean())
+        return -10.0 * math.log10(max(mse, 1e-12))
 
     def _visible_adam_step(self, info: dict) -> None:
         """Adam on the Gaussians this step's render reached; the others keep their parameters AND moments.
@@ -502,6 +489,7 @@ class Trainer:
                 if self.pruner is not None:  # train.prune_during cuts; their scoring counts as training time
                     self.pruner.after_step(self)
                 if self.step % cfg.log_every == 0 or self.step == cfg.max_steps or reason:
+                    row["psnr"] = self.row_psnr()
                     self._rows.append(row)
                     self._flush_csv()  # live: plots/S/train.csv can be watched while training runs
                     if self.step_logger is not None:

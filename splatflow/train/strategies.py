@@ -1,8 +1,9 @@
 """Densification policies that run on CPU, with a hard Gaussian budget and logged refine events.
 
-Both strategies keep gsplat's strategy interface (``initialize_state``, ``step_pre_backward``,
-``step_post_backward``) so the training loop does not know which one it runs, and both record the last refine
-event in ``self.last_event`` (clones, splits, prunes, relocations, additions and the new count) for the loop to log.
+Every strategy follows one small protocol, :class:`Strategy` (gsplat's hooks, ``initialize_state``,
+``step_pre_backward``, ``step_post_backward``, plus ``loss_terms`` for the terms a strategy adds to the loss and
+``last_event`` for the loop to log), so the training loop calls the same four methods whichever one runs and never
+asks which it is.
 
 * :class:`BudgetedDefaultStrategy`: gsplat's ``DefaultStrategy`` (adaptive density control of the 3DGS paper,
   Kerbl et al. 2023, §5.2) with a cap on the count. When more Gaussians qualify for cloning/splitting than the
@@ -10,9 +11,12 @@ event in ``self.last_event`` (clones, splits, prunes, relocations, additions and
   score-ordered, budget-limited growth of Taming 3DGS (Mallick et al. 2024, §4.2), with the gradient as score.
   Deviation from gsplat 1.5.3: its opacity reset test ``step % reset_every == 0 & step > 0`` is never true
   (operator precedence); we reset as the 3DGS reference does, every ``reset_every`` steps while refining.
-* :class:`TorchMCMCStrategy`: gsplat's ``MCMCStrategy`` (3DGS as MCMC, Kheradmand et al. 2024). On a GPU it
-  runs gsplat's own relocation / sample-add / noise ops (CUDA kernels); on the CPU, where those kernels do not
-  exist, the same math in torch.
+  No loss terms.
+* :class:`TorchMCMCStrategy`: gsplat's ``MCMCStrategy`` (3DGS as MCMC, Kheradmand et al. 2024) with the paper's
+  opacity and scale regularisers as its loss terms. On a GPU it runs gsplat's own relocation / sample-add /
+  noise ops (CUDA kernels); on the CPU, where those kernels do not exist, the free functions below
+  (:func:`relocate`, :func:`sample_add`, :func:`inject_noise_to_position`), which take gsplat's arguments (the
+  relocation table in place of gsplat's binomial table) so that one code path calls either set.
 
 Device: the state is created on the run's device (``initialize_state(..., device=)``) and everything these
 strategies allocate follows the parameters' device. gsplat's ops are called inside ``torch.device(...)`` of the
@@ -22,20 +26,51 @@ parameters, because one of them (``reset_opa``) builds a tensor without a device
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 from gsplat.strategy import DefaultStrategy, MCMCStrategy
-from gsplat.strategy.ops import (_multinomial_sample, _update_param_with_optimizer, duplicate,
-                                 inject_noise_to_position, remove, reset_opa, split)
+from gsplat.strategy import ops as gsplat_ops
+from gsplat.strategy.ops import (_multinomial_sample, _update_param_with_optimizer, duplicate, remove, reset_opa,
+                                 split)
 from gsplat.utils import normalized_quat_to_rotmat
 
+Params = dict[str, torch.nn.Parameter]
+Optimizers = dict[str, torch.optim.Optimizer]
 
-def _visible(info: dict) -> torch.Tensor:
-    """``[C, N]`` mask of Gaussians with a non-zero screen radius (radii ``[C, N]`` or ``[C, N, 2]``)."""
+
+@runtime_checkable
+class Strategy(Protocol):
+    """What the training loop calls, in this order, every step.
+
+    ``loss_terms(params, info)`` after the photometric loss (a scalar to add, or None); ``step_pre_backward``
+    before ``loss.backward()`` (e.g. to retain the screen-space gradients it reads); ``step_post_backward`` after
+    the optimizer step, with the step's position learning rate ``lr`` (the MCMC noise scales with it; others
+    ignore it). It may replace the parameters and resize the optimizers' moments (gsplat's convention), and sets
+    ``last_event`` to a dict describing a refine (or None) for the loop to log.
+    """
+
+    last_event: dict | None
+
+    def initialize_state(self, scene_scale: float = 1.0,
+                         device: torch.device | str = "cpu") -> dict[str, Any]: ...
+
+    def loss_terms(self, params: Params, info: dict) -> torch.Tensor | None: ...
+
+    def step_pre_backward(self, params: Params, optimizers: Optimizers, state: dict, step: int,
+                          info: dict) -> None: ...
+
+    def step_post_backward(self, params: Params, optimizers: Optimizers, state: dict, step: int, info: dict, *,
+                           lr: float = 0.0) -> None: ...
+
+
+def rendered(info: dict, *, per_view: bool = False) -> torch.Tensor:
+    """Bool mask of the Gaussians a render reached (non-zero screen radius): ``[N]`` over all of its views (or its
+    window), or ``[C, N]`` per view with ``per_view``. Radii come as ``[C, N]`` or ``[C, N, 2]``."""
     radii = info["radii"]
-    return (radii > 0).all(dim=-1) if radii.dim() == 3 else radii > 0
+    seen = (radii > 0).all(dim=-1) if radii.dim() == 3 else radii > 0  # [C, N]
+    return seen if per_view else seen.any(0)
 
 
 class BudgetedDefaultStrategy(DefaultStrategy):
@@ -51,6 +86,9 @@ class BudgetedDefaultStrategy(DefaultStrategy):
         # gsplat's state holds no tensors until the first step (grad2d/count are made on the gradients' device)
         return super().initialize_state(scene_scale=scene_scale)
 
+    def loss_terms(self, params, info) -> None:
+        return None  # adaptive density control adds nothing to the loss
+
     def step_pre_backward(self, params, optimizers, state, step, info):
         info[self.key_for_gradient].retain_grad()
 
@@ -64,13 +102,13 @@ class BudgetedDefaultStrategy(DefaultStrategy):
         if state["grad2d"] is None or state["grad2d"].shape[0] != n:
             state["grad2d"] = grad.new_zeros(n)  # [N]
             state["count"] = grad.new_zeros(n)  # [N]
-        sel = _visible(info)  # [C, N]
+        sel = rendered(info, per_view=True)  # [C, N]
         norms = (grad * scale).norm(dim=-1)  # [C, N] gradient in NDC units, as the 3DGS reference
         state["grad2d"] += (norms * sel).sum(dim=0)
         state["count"] += sel.sum(dim=0).to(state["count"].dtype)
 
-    def step_post_backward(self, params, optimizers, state, step, info, packed: bool = False):
-        self.last_event = None
+    def step_post_backward(self, params, optimizers, state, step, info, *, lr: float = 0.0, packed: bool = False):
+        self.last_event = None  # lr: the protocol's; adaptive density control does not use it
         if step >= self.refine_stop_iter:
             return
         self._update_state(params, state, info)
@@ -162,12 +200,108 @@ def compute_relocation_torch(opacities: torch.Tensor, scales: torch.Tensor, rati
     return o_new.float(), scales * factor.float().unsqueeze(-1)
 
 
-class TorchMCMCStrategy(MCMCStrategy):
-    """3DGS-MCMC on CPU: relocate dead Gaussians to live ones, grow 5% per refine up to ``cap_max``, and add
-    opacity-gated covariance-shaped noise to positions every step."""
+def _sample_shared(params: Params, coef: torch.Tensor, n: int, candidates: torch.Tensor | None,
+                   min_opacity: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Draw ``n`` indices (among ``candidates``, default all) with probability ~ opacity, and the opacity and
+    scale each drawn Gaussian gets once it is shared by its copies (:func:`compute_relocation_torch`)."""
+    opac = torch.sigmoid(params["opacities"])
+    pool = opac if candidates is None else opac[candidates]
+    idx = _multinomial_sample(pool, n, replacement=True)  # [n]
+    if candidates is not None:
+        idx = candidates[idx]
+    new_o, new_s = compute_relocation_torch(opac[idx], torch.exp(params["scales"])[idx],
+                                            torch.bincount(idx)[idx] + 1, coef)
+    eps = torch.finfo(torch.float32).eps
+    return idx, torch.clamp(new_o, min=min_opacity, max=1.0 - eps), new_s
 
-    def __init__(self, **kwargs):
+
+@torch.no_grad()
+def relocate(params: Params, optimizers: Optimizers, state: dict, mask: torch.Tensor, coef: torch.Tensor,
+             min_opacity: float = 0.005) -> None:
+    """Move the Gaussians of ``mask`` (dead ones) onto live ones drawn by opacity, in place (3DGS-MCMC §4.2).
+
+    gsplat's ``relocate`` in torch, with the same arguments except ``coef`` (:func:`relocation_coefficients`) in
+    place of its binomial table. Each drawn Gaussian and its new copies share its opacity and scale
+    (:func:`compute_relocation_torch`); the drawn ones' Adam moments are zeroed, as are their rows of every tensor
+    in ``state`` (per-Gaussian statistics; pass ``{}`` for none). Nothing happens when no Gaussian is dead or none
+    is alive."""
+    dead_idx = mask.nonzero(as_tuple=True)[0]
+    alive_idx = (~mask).nonzero(as_tuple=True)[0]
+    n = len(dead_idx)
+    if n == 0 or len(alive_idx) == 0:
+        return
+    idx, new_o, new_s = _sample_shared(params, coef, n, alive_idx, min_opacity)
+
+    def param_fn(name, p):
+        if name == "opacities":
+            p[idx] = torch.logit(new_o)
+        elif name == "scales":
+            p[idx] = torch.log(new_s)
+        p[dead_idx] = p[idx]
+        return torch.nn.Parameter(p, requires_grad=p.requires_grad)
+
+    def optimizer_fn(key, v):
+        v[idx] = 0
+        return v
+
+    _update_param_with_optimizer(param_fn, optimizer_fn, params, optimizers)
+    for v in state.values():
+        if isinstance(v, torch.Tensor):
+            v[idx] = 0
+
+
+@torch.no_grad()
+def sample_add(params: Params, optimizers: Optimizers, state: dict, n: int, coef: torch.Tensor,
+               min_opacity: float = 0.005) -> None:
+    """Append ``n`` copies of Gaussians drawn by opacity, in place (3DGS-MCMC §4.2).
+
+    gsplat's ``sample_add`` in torch, with ``coef`` in place of its binomial table. The drawn Gaussians and their
+    copies share their opacity and scale; the copies start with zero Adam moments and zero rows in every tensor
+    of ``state``."""
+    if n <= 0:
+        return
+    idx, new_o, new_s = _sample_shared(params, coef, n, None, min_opacity)
+
+    def param_fn(name, p):
+        if name == "opacities":
+            p[idx] = torch.logit(new_o)
+        elif name == "scales":
+            p[idx] = torch.log(new_s)
+        return torch.nn.Parameter(torch.cat([p, p[idx]]), requires_grad=p.requires_grad)
+
+    def optimizer_fn(key, v):
+        return torch.cat([v, v.new_zeros((n, *v.shape[1:]))])
+
+    _update_param_with_optimizer(param_fn, optimizer_fn, params, optimizers)
+    for k, v in state.items():
+        if isinstance(v, torch.Tensor):
+            state[k] = torch.cat([v, v.new_zeros((n, *v.shape[1:]))])
+
+
+@torch.no_grad()
+def inject_noise_to_position(params: Params, optimizers: Optimizers, state: dict, scaler: float) -> None:
+    """SGLD position noise ``Sigma eps``, gated to near-transparent Gaussians by ``sigmoid(100 (1 - o - 0.995))``
+    (3DGS-MCMC Eq. 10): gsplat's ``inject_noise_to_position`` with the covariance built in torch."""
+    if scaler <= 0:
+        return
+    opac = torch.sigmoid(params["opacities"].flatten())
+    R = normalized_quat_to_rotmat(F.normalize(params["quats"], dim=-1))  # [N, 3, 3]
+    s2 = torch.exp(2.0 * params["scales"])  # [N, 3]
+    cov = (R * s2.unsqueeze(1)) @ R.transpose(1, 2)  # [N, 3, 3] = R diag(s^2) R^T
+    gate = torch.sigmoid(100.0 * ((1.0 - opac) - 0.995)).unsqueeze(-1)  # [N, 1]
+    noise = torch.randn_like(params["means"]) * gate * scaler
+    params["means"].add_(torch.einsum("nij,nj->ni", cov, noise))
+
+
+class TorchMCMCStrategy(MCMCStrategy):
+    """3DGS-MCMC: relocate dead Gaussians to live ones, grow 5% per refine up to ``cap_max``, add opacity-gated
+    covariance-shaped noise to positions every step, and regularise opacities and scales (``opacity_reg``,
+    ``scale_reg``: the weights of the paper's L1 terms, §4.3). gsplat's CUDA ops on a GPU, ours on the CPU."""
+
+    def __init__(self, *, opacity_reg: float = 0.0, scale_reg: float = 0.0, **kwargs):
         super().__init__(**kwargs)
+        self.opacity_reg = float(opacity_reg)
+        self.scale_reg = float(scale_reg)
         self.last_event: dict | None = None
 
     def initialize_state(self, scene_scale: float = 1.0, device: torch.device | str = "cpu") -> dict[str, Any]:
@@ -178,97 +312,54 @@ class TorchMCMCStrategy(MCMCStrategy):
             return {"binoms": binoms}
         return {"coef": relocation_coefficients(51, device=device)}
 
-    def step_post_backward(self, params, optimizers, state, step, info, lr: float = 0.0):
+    def loss_terms(self, params, info) -> torch.Tensor | None:
+        """3DGS-MCMC's opacity and scale L1 terms, averaged over the Gaussians this step RENDERS.
+
+        The paper averages over all Gaussians; with Adam that is harmless only when a view shows most of them.
+        On a window (``patch_max_pixels``) or a partial view, an unseen Gaussian's only gradient would be the
+        regulariser's, which Adam rescales to a full-size step: its opacity would be driven to zero (and the
+        Gaussian relocated) in a few hundred steps without the images ever asking for it (measured: validation
+        PSNR fell 0.6 dB over the last phase, bench/RESULTS.md). The mean over the rendered ones keeps the
+        paper's balance between the two losses, since the photometric term is a mean over the rendered pixels.
+        A render that reaches no Gaussian gets a zero term.
+        """
+        if self.opacity_reg == 0.0 and self.scale_reg == 0.0:
+            return None
+        vis = rendered(info)
+        if not bool(vis.any()):
+            return params["means"].new_zeros(())
+        return self.opacity_reg * torch.sigmoid(params["opacities"][vis]).mean() \
+            + self.scale_reg * torch.exp(params["scales"][vis]).mean()
+
+    def step_pre_backward(self, params, optimizers, state, step, info) -> None:
+        return None  # reads no gradients of the render
+
+    def step_post_backward(self, params, optimizers, state, step, info, *, lr: float = 0.0):
         self.last_event = None
-        on_gpu = "binoms" in state and params["means"].is_cuda
+        if "binoms" in state and params["means"].is_cuda:  # gsplat's CUDA relocation, sample-add and noise kernels
+            ops, table = (gsplat_ops.relocate, gsplat_ops.sample_add, gsplat_ops.inject_noise_to_position), \
+                state["binoms"]
+        else:  # the same steps in torch
+            ops, table = (relocate, sample_add, inject_noise_to_position), state["coef"]
+        relocate_fn, sample_add_fn, noise_fn = ops
         if self.refine_start_iter < step < self.refine_stop_iter and step % self.refine_every == 0:
             n_before = params["means"].shape[0]
-            if on_gpu:  # gsplat's CUDA relocation and sample-add kernels
-                n_reloc = int(self._relocate_gs(params, optimizers, state["binoms"]))
-                n_add = int(self._add_new_gs(params, optimizers, state["binoms"]))
+            dead = torch.sigmoid(params["opacities"].flatten()) <= self.min_opacity  # [N]
+            n_reloc = int(dead.sum())
+            if 0 < n_reloc < n_before:  # else nothing to move, or nothing alive to move onto
+                relocate_fn(params, optimizers, {}, dead, table, self.min_opacity)
             else:
-                n_reloc = self._relocate(params, optimizers, state["coef"])
-                n_add = self._add(params, optimizers, state["coef"])
+                n_reloc = 0
+            n_add = max(0, min(self.cap_max, int(1.05 * n_before)) - n_before)
+            if n_add > 0:
+                sample_add_fn(params, optimizers, {}, n_add, table, self.min_opacity)
             self.last_event = {"step": step, "relocated": n_reloc, "added": n_add, "clones": 0, "splits": 0,
                                "prunes": 0, "before": n_before, "gaussians": params["means"].shape[0]}
-        if on_gpu:
-            if lr * self.noise_lr > 0:
-                inject_noise_to_position(params=params, optimizers=optimizers, state={}, scaler=lr * self.noise_lr)
-        else:
-            self._inject_noise(params, lr * self.noise_lr)
-
-    @torch.no_grad()
-    def _sample(self, params, coef, candidates: torch.Tensor, n: int):
-        """Draw ``n`` indices among ``candidates`` with probability ~ opacity; their shared opacity/scale."""
-        opac = torch.sigmoid(params["opacities"])
-        idx = candidates[_multinomial_sample(opac[candidates], n, replacement=True)]  # [n]
-        new_o, new_s = compute_relocation_torch(opac[idx], torch.exp(params["scales"])[idx],
-                                                torch.bincount(idx)[idx] + 1, coef)
-        eps = torch.finfo(torch.float32).eps
-        return idx, torch.clamp(new_o, min=self.min_opacity, max=1.0 - eps), new_s
-
-    @torch.no_grad()
-    def _relocate(self, params, optimizers, coef) -> int:
-        dead = torch.sigmoid(params["opacities"]) <= self.min_opacity
-        dead_idx = dead.nonzero(as_tuple=True)[0]
-        alive_idx = (~dead).nonzero(as_tuple=True)[0]
-        n = len(dead_idx)
-        if n == 0 or len(alive_idx) == 0:
-            return 0
-        idx, new_o, new_s = self._sample(params, coef, alive_idx, n)
-
-        def param_fn(name, p):
-            if name == "opacities":
-                p[idx] = torch.logit(new_o)
-            elif name == "scales":
-                p[idx] = torch.log(new_s)
-            p[dead_idx] = p[idx]
-            return torch.nn.Parameter(p, requires_grad=p.requires_grad)
-
-        def optimizer_fn(key, v):
-            v[idx] = 0
-            return v
-
-        _update_param_with_optimizer(param_fn, optimizer_fn, params, optimizers)
-        return n
-
-    @torch.no_grad()
-    def _add(self, params, optimizers, coef) -> int:
-        n_now = params["means"].shape[0]
-        n = max(0, min(self.cap_max, int(1.05 * n_now)) - n_now)
-        if n == 0:
-            return 0
-        idx, new_o, new_s = self._sample(params, coef, torch.arange(n_now, device=coef.device), n)
-
-        def param_fn(name, p):
-            if name == "opacities":
-                p[idx] = torch.logit(new_o)
-            elif name == "scales":
-                p[idx] = torch.log(new_s)
-            return torch.nn.Parameter(torch.cat([p, p[idx]]), requires_grad=p.requires_grad)
-
-        def optimizer_fn(key, v):
-            return torch.cat([v, v.new_zeros((n, *v.shape[1:]))])
-
-        _update_param_with_optimizer(param_fn, optimizer_fn, params, optimizers)
-        return n
-
-    @torch.no_grad()
-    def _inject_noise(self, params, scaler: float) -> None:
-        """SGLD position noise ``Sigma eps``, gated to near-transparent Gaussians by ``sigmoid(100 (1 - o - 0.995))``
-        (3DGS-MCMC Eq. 10, gsplat's ``inject_noise_to_position`` with a torch covariance)."""
-        if scaler <= 0:
-            return
-        opac = torch.sigmoid(params["opacities"].flatten())
-        R = normalized_quat_to_rotmat(F.normalize(params["quats"], dim=-1))  # [N, 3, 3]
-        s2 = torch.exp(2.0 * params["scales"])  # [N, 3]
-        cov = (R * s2.unsqueeze(1)) @ R.transpose(1, 2)  # [N, 3, 3] = R diag(s^2) R^T
-        gate = torch.sigmoid(100.0 * ((1.0 - opac) - 0.995)).unsqueeze(-1)  # [N, 1]
-        noise = torch.randn_like(params["means"]) * gate * scaler
-        params["means"].add_(torch.einsum("nij,nj->ni", cov, noise))
+        if lr * self.noise_lr > 0:
+            noise_fn(params, optimizers, {}, lr * self.noise_lr)
 
 
-def make_strategy(dcfg, *, max_steps: int, initial_count: int):
+def make_strategy(dcfg, *, max_steps: int, initial_count: int) -> Strategy | None:
     """The strategy named by ``train.densify.strategy`` (or None for "none"), with its cap.
 
     cap = min(max_gaussians, budget_multiplier x initial count) (Taming 3DGS's budget).
@@ -285,5 +376,6 @@ def make_strategy(dcfg, *, max_steps: int, initial_count: int):
     if dcfg.strategy == "mcmc":
         return TorchMCMCStrategy(cap_max=cap, noise_lr=dcfg.mcmc_noise_lr, refine_start_iter=start,
                                  refine_stop_iter=stop, refine_every=dcfg.refine_every,
-                                 min_opacity=dcfg.mcmc_min_opacity)
+                                 min_opacity=dcfg.mcmc_min_opacity, opacity_reg=dcfg.mcmc_opacity_reg,
+                                 scale_reg=dcfg.mcmc_scale_reg)
     return None
