@@ -155,7 +155,7 @@ def run(
 
     targets = [t for s in scenes for t in stage_order(root, s)]
     cmd = [_dvc(), "repro", *targets] + (["--force"] if force else [])
-    from splatflow.orchestrate.workspace import WorkspaceBusy, workspace_lock
+    from splatflow.orchestrate.workspace import WorkspaceBusy, run_foreground, workspace_lock
 
     def tell(msg: str) -> None:
         typer.secho(f"waiting: {msg} (Ctrl-C to give up)", fg=typer.colors.YELLOW, err=True)
@@ -163,10 +163,14 @@ def run(
     try:
         with workspace_lock(root, wait_s=None if wait else 0, on_wait=tell):
             typer.echo("$ " + " ".join(["dvc", *cmd[1:]]))
-            rc = subprocess.call(cmd, cwd=root, env=stage_env())
+            rc = run_foreground(cmd, root, stage_env())
     except WorkspaceBusy as e:
         typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
         raise typer.Exit(3) from None
+    if rc in (130, 143):
+        typer.secho(f"stopped ({'Ctrl-C' if rc == 130 else 'SIGTERM'}): the stage that ran kept its partial work "
+                    f"(train: its checkpoint) and its MLflow run is KILLED; `splatflow run {scene or ''}` "
+                    "continues from there".replace("  ", " "), fg=typer.colors.YELLOW, err=True)
     if rc != 0:
         raise typer.Exit(rc)
     for s in scenes:

@@ -238,3 +238,63 @@ def workspace_lock(root: str | Path, wait_s: float | None = None,
                 fh.seek(0)
                 fh.truncate()
             fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+SHELLS = {"sh", "bash", "dash", "zsh", "ksh", "fish"}
+
+
+def run_foreground(cmd: list[str], cwd: str | Path, env: dict | None = None, *, grace_s: float = 120.0) -> int:
+    """Run ``dvc repro`` in the foreground and pass a stop on to the stage below it; return its exit status.
+
+    ``kill <pid>`` (SIGTERM) reaches only this process, and DVC itself dies on SIGTERM without telling the stage
+    it runs, which would then go on as an orphan while the workspace lock is already released. So the SIGTERM is
+    forwarded to the processes below DVC (the stage records its run KILLED, keeps its checkpoint and exits 143;
+    DVC then reports the stage as failed and releases its own locks), or to DVC when no stage runs yet, and this
+    process waits for all of them before it returns 143. Ctrl-C reaches the whole foreground process group
+    already: DVC ignores SIGINT while a stage runs and the stage stops itself, so here it is only waited for.
+    """
+    import signal
+    import subprocess
+
+    import psutil
+
+    from splatflow.tracking import _is_dvc_cmd
+
+    stopped: dict[str, Any] = {"signum": None}
+    below: list[psutil.Process] = []
+
+    def forward(signum, frame) -> None:  # noqa: ARG001
+        if stopped["signum"] is not None:
+            return
+        stopped["signum"] = signum
+        try:
+            procs = psutil.Process().children(recursive=True)
+        except psutil.Error:
+            procs = []
+        below.extend(procs)
+        stages = []
+        for p in procs:
+            try:
+                # not DVC, and not the shell DVC runs the stage's cmd in: that one reports the stage's own 143
+                if not _is_dvc_cmd(p.cmdline()) and not (p.name() in SHELLS and p.children()):
+                    stages.append(p)
+            except psutil.Error:
+                continue
+        for p in stages or [p for p in procs]:
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(signal.SIGTERM)
+
+    proc = subprocess.Popen(cmd, cwd=str(cwd), env=env)
+    old_term = signal.signal(signal.SIGTERM, forward)
+    old_int = signal.signal(signal.SIGINT, lambda *_: stopped.__setitem__("signum", stopped["signum"] or
+                                                                          signal.SIGINT))
+    try:
+        rc = proc.wait()
+        if below:  # a stage that outlived DVC is still recording its stop: the workspace is not free before
+            psutil.wait_procs(below, timeout=grace_s)
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
+        signal.signal(signal.SIGINT, old_int)
+    if stopped["signum"] is not None:
+        return 128 + int(stopped["signum"])
+    return rc
