@@ -13,7 +13,8 @@ Before 2 and 3 the train stage's checkpoint is deleted, so DVC retrains from scr
 run cache out of that stage) while the earlier stages (ingest, SfM, split) stay as they are: the drills compare
 training, not SfM's run-to-run jitter. Prints the three test PSNRs, their difference from the uninterrupted run
 against the run-to-run spread measured by ``bench/variance.py`` (``bench/variance.json``), whether the trained
-checkpoint is byte-identical, and the MLflow statuses of every run read back from the clone's MLflow store
+Gaussians are identical, whether the run resumed after the kill repeats the killed run's logged training loss bit for
+bit over the steps both ran (an exact resume), and the MLflow statuses of every run read back from the clone's MLflow store
 (expected: 1 FINISHED; 2 KILLED, FINISHED; 3 RUNNING until reaped, then KILLED, FINISHED).
 
 Not a CI test: it trains the demo three times (about 20-40 minutes on 2 busy cores).
@@ -112,8 +113,13 @@ class Clone:
         return {"psnr_test": ev["psnr"], "ssim_test": ev["ssim"], "gaussians": ev["gaussians"],
                 "train_steps": tr.get("steps"), "train_gaussians": tr.get("gaussians"),
                 "train_val_psnr": tr.get("val_psnr"), "train_resumed_from": tr.get("resumed_from"),
-                "train_seconds": tr.get("train_seconds"),
-                "train_ckpt_md5": hashlib.md5(self.ckpt.read_bytes()).hexdigest()}
+                "train_seconds": tr.get("train_seconds"), "train_splats_md5": splats_digest(self.ckpt)}
+
+    def loss_history(self, run_id: str) -> dict[int, float]:
+        from mlflow.tracking import MlflowClient
+
+        cl = MlflowClient(tracking_uri=f"sqlite:///{self.path / 'mlflow.db'}")
+        return {m.step: m.value for m in cl.get_metric_history(run_id, "train/loss")}
 
     def mlflow_runs(self) -> list[dict]:
         from mlflow.tracking import MlflowClient
@@ -129,6 +135,29 @@ class Clone:
 
     def runs_since(self, t: float) -> list[dict]:
         return [r for r in self.mlflow_runs() if r["start"] >= t - 1]
+
+
+def splats_digest(ckpt: Path) -> str | None:
+    """md5 of the trained Gaussians' tensors (the file's own md5 also covers its wall-clock fields)."""
+    import torch
+
+    if not ckpt.exists():
+        return None
+    splats = torch.load(ckpt, map_location="cpu", weights_only=False)["splats"]
+    h = hashlib.md5()
+    for k in sorted(splats):
+        h.update(k.encode() + b"\0" + splats[k].detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def resume_check(clone: Clone, stopped: dict, resumed: dict) -> dict:
+    """Compare the logged training loss of the stopped run and the run that resumed it over the steps both logged
+    (those between the checkpoint it resumed from and the stop): an exact resume repeats them bit for bit."""
+    a, b = clone.loss_history(stopped["run_id"]), clone.loss_history(resumed["run_id"])
+    common = sorted(set(a) & set(b))
+    differ = [st for st in common if a[st] != b[st]]
+    return {"overlap_steps": [common[0], common[-1]] if common else None, "logged_steps_compared": len(common),
+            "first_differing_step": differ[0] if differ else None, "exact": bool(common) and not differ}
 
 
 def wait_for_step(clone: Clone, proc: subprocess.Popen, step: int, since: float, out: Path) -> int:
@@ -247,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
              "train_steps": tr.get("steps"), "train_gaussians": tr.get("gaussians"),
              "train_val_psnr": tr.get("val_psnr"), "train_resumed_from": tr.get("resumed_from"),
              "train_seconds": tr.get("train_seconds"), "train_ckpt_md5": md5, "mlflow": ["FINISHED"],
-             "from_clone": str(src)}
+             "train_splats_md5": splats_digest(clone.ckpt), "from_clone": str(src)}
         report["scenarios"]["uninterrupted"] = a
         log(f"uninterrupted (from {src}): test PSNR {a['psnr_test']:.4f} dB, checkpoint md5 {md5}")
     else:
@@ -315,6 +344,9 @@ def sigkill_drill(clone: Clone, kill_step: int, report: dict) -> None:
     t3b = time.time()
     _, rerun_log = clone.run("run", SCENE)
     c = clone.result()
+    runs3 = clone.runs_since(t3)
+    if len(runs3) == 2:
+        c["resume_check"] = resume_check(clone, runs3[0], runs3[1])
     c.update({"signal_at_step": at, "mlflow_after_kill": statuses_killed, "mlflow_after_reap": statuses_reaped,
               "mlflow": [r["status"] for r in clone.runs_since(t3)],
               "mlflow_rerun": [r["status"] for r in clone.runs_since(t3b)],
@@ -334,14 +366,17 @@ def verdict(report: dict, args, clone: Clone, t_start: float) -> int:
           f"now {load_avg()}; {(time.time() - t_start) / 60:.1f} min in all)")
     print(f"run-to-run spread of test PSNR (bench/variance.json, 3 seeds): {spread:.4f} dB")
     print(f"{'run':15s} {'test PSNR':>10s} {'diff':>9s} {'within':>7s} {'Gaussians':>9s} {'resumed':>8s} "
-          f"{'same ckpt':>9s}  MLflow statuses (oldest first)")
+          f"{'same splats':>10s}  MLflow statuses (oldest first)")
     for name, r in report["scenarios"].items():
         diff = r["psnr_test"] - a["psnr_test"]
         r["psnr_diff_db"] = round(diff, 6)
         r["within_spread"] = abs(diff) <= spread
-        r["same_checkpoint"] = r["train_ckpt_md5"] == a["train_ckpt_md5"]
+        r["same_splats"] = (r["train_splats_md5"] == a["train_splats_md5"]) if a["train_splats_md5"] else None
         print(f"{name:15s} {r['psnr_test']:10.4f} {diff:+9.4f} {str(r['within_spread']):>7s} {r['gaussians']:9d} "
-              f"{str(r['train_resumed_from']):>8s} {str(r['same_checkpoint']):>9s}  {r['mlflow']}")
+              f"{str(r['train_resumed_from']):>8s} {str(r['same_splats']):>10s}  {r['mlflow']}")
+        if r.get("resume_check"):
+            print(f"{'':15s} resumed run vs the killed run over logged steps {r['resume_check']['overlap_steps']}: "
+                  f"{'bit-identical loss' if r['resume_check']['exact'] else r['resume_check']}")
         ok &= r["within_spread"]
     expect = {"uninterrupted": ["FINISHED"], "sigterm": ["KILLED", "FINISHED"], "sigkill": ["KILLED", "FINISHED"]}
     for name, want in expect.items():
