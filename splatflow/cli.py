@@ -1,35 +1,47 @@
-"""The ``splatflow`` command line: scenes in, DVC pipeline runs, servers and run tracking."""
+"""The ``splatflow`` command line: scenes in, DVC pipeline runs, servers and run tracking.
+
+One typer app made of sub-apps: the pipeline commands here (``demo-scene``, ``add-scene``, ``run``), the servers,
+flows, ``runs`` and results of :mod:`splatflow.ops_cli`, and the viewing commands of :mod:`splatflow.view_cli`.
+Commands raise :class:`~splatflow.errors.UserError` (or :class:`~splatflow.config.ConfigError`) for a bad input;
+:class:`CLIGroup` prints it with :func:`splatflow.errors.fail` -- the same helper as the stage shell's -- and exits
+with the error's status (2; 3 for a busy workspace), without a traceback.
+"""
 
 from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Optional
 
+import click
 import typer
+from typer.core import TyperGroup
 
+from splatflow import ops_cli, view_cli
 from splatflow.config import ConfigError, load_params
-from splatflow.paths import project_root
+from splatflow.errors import UserError, fail
+from splatflow.paths import require_project_root
 
-app = typer.Typer(help="splatflow: reproducible 3D Gaussian Splatting (ingest → sfm → split → train → prune → "
-                       "evaluate → export)", no_args_is_help=True, add_completion=False)
+PIPELINE = "Pipeline"
+
+
+class CLIGroup(TyperGroup):
+    """The root command group: a user error raised by any command, at any depth, ends as one red line."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except (UserError, ConfigError) as e:
+            fail(f"error: {e}", getattr(e, "exit_code", 2))
+
+
+app = typer.Typer(cls=CLIGroup, no_args_is_help=True, add_completion=False,
+                  help="splatflow: reproducible 3D Gaussian Splatting (ingest → sfm → split → train → prune "
+                       "→ evaluate → export)")
 
 VIDEO_SUFFIXES = {".mp4", ".mov", ".avi", ".mkv", ".m4v", ".webm"}
-
-
-def _fail(msg: str) -> None:
-    typer.secho(f"error: {msg}", fg=typer.colors.RED, err=True)
-    raise typer.Exit(2)
-
-
-def _root() -> Path:
-    root = project_root()
-    if not (root / "params.yaml").exists():
-        _fail(f"no params.yaml in {root} or its parents; run splatflow from the project folder")
-    return root
 
 
 def _dvc() -> str:
@@ -37,7 +49,7 @@ def _dvc() -> str:
     return str(exe) if exe.exists() else (shutil.which("dvc") or "dvc")
 
 
-@app.command("demo-scene")
+@app.command("demo-scene", rich_help_panel=PIPELINE)
 def demo_scene(
     out: Path = typer.Option(Path("data/raw/demo"), help="output folder (images/ and ground_truth/ inside)"),
     views: Optional[int] = typer.Option(None, help="number of views (default: the demo's)"),
@@ -62,7 +74,7 @@ def demo_scene(
     typer.echo(f"wrote {out} ({options})")
 
 
-@app.command("add-scene")
+@app.command("add-scene", rich_help_panel=PIPELINE)
 def add_scene(
     name: str = typer.Argument(..., help="scene name (letters, digits, - and _)"),
     path: Path = typer.Argument(..., help="a folder of images, a video file, or a COLMAP dataset (images/ + "
@@ -79,21 +91,21 @@ def add_scene(
 
     from splatflow.scene import colmap
 
-    root = _root()
+    root = require_project_root()
     if not path.exists():
-        _fail(f"{path} does not exist; give a folder of images or a video file")
+        raise UserError(f"{path} does not exist; give a folder of images or a video file")
     if path.is_file() and path.suffix.lower() not in VIDEO_SUFFIXES:
-        _fail(f"{path} is a file but not a video ({', '.join(sorted(VIDEO_SUFFIXES))}); "
-              "give a folder of images or a video file")
+        raise UserError(f"{path} is a file but not a video ({', '.join(sorted(VIDEO_SUFFIXES))}); "
+                        "give a folder of images or a video file")
     if not all(c.isalnum() or c in "-_" for c in name):
-        _fail(f"scene name {name!r}: use letters, digits, '-' and '_' only")
+        raise UserError(f"scene name {name!r}: use letters, digits, '-' and '_' only")
     params_path = root / "params.yaml"
     yaml = YAML()
     yaml.preserve_quotes = True
     data = yaml.load(params_path.read_text())
     scenes = data.setdefault("base", {}).setdefault("scenes", {})
     if name in scenes and not force:
-        _fail(f"scene {name!r} is already in params.yaml (use --force to replace it)")
+        raise UserError(f"scene {name!r} is already in params.yaml (use --force to replace it)")
 
     def rel(p: Path) -> str:
         p = p.resolve()
@@ -108,15 +120,17 @@ def add_scene(
         entry["colmap"] = colmap.find_model(path)
     elif path.is_dir() and (path / "images").is_dir() and not any(
             p.is_file() and not p.name.startswith(".") for p in path.iterdir()):
-        _fail(f"{path} holds an images/ folder but no COLMAP model (cameras, images, points3D as .bin or .txt in "
-              f"sparse/0/ or sparse/); give {path / 'images'} to run SfM on the images, or add the model")
+        raise UserError(f"{path} holds an images/ folder but no COLMAP model (cameras, images, points3D as .bin or "
+                        f".txt in sparse/0/ or sparse/); give {path / 'images'} to run SfM on the images, or add the "
+                        "model")
     if ground_truth is not None:
         if not ground_truth.exists():
-            _fail(f"{ground_truth} does not exist")
+            raise UserError(f"{ground_truth} does not exist")
         entry["ground_truth"] = rel(ground_truth)
     if masks is not None:
         if not masks.is_dir():
-            _fail(f"{masks} is not a folder; give the folder of masks (named like the images, white = keep)")
+            raise UserError(f"{masks} is not a folder; give the folder of masks (named like the images, white = "
+                            "keep)")
         entry["masks"] = rel(masks)
     if downscale is not None:
         entry["resolution"] = {"downscale": downscale}  # checked with the rest by load_params below
@@ -126,15 +140,15 @@ def add_scene(
         yaml.dump(data, f)
     try:
         load_params(tmp)  # never leave an invalid params.yaml behind
-    except ConfigError as e:
+    except ConfigError:
         tmp.unlink()
-        _fail(str(e))
+        raise
     os.replace(tmp, params_path)
     kind = f" (COLMAP dataset, model {entry['colmap']}: SfM is not run again)" if "colmap" in entry else ""
     typer.echo(f"added scene {name!r} -> {entry['source']}{kind}; run it with `splatflow run {name}`")
 
 
-@app.command("run")
+@app.command("run", rich_help_panel=PIPELINE)
 def run(
     scene: Optional[str] = typer.Argument(None, help="scene to run (default: every scene in params.yaml)"),
     force: bool = typer.Option(False, help="rerun stages even if DVC finds them up to date"),
@@ -143,44 +157,44 @@ def run(
                                    "at once with exit status 3"),
 ):
     """Run the pipeline with DVC (only what changed reruns). One writer per checkout: a second run waits."""
-    root = _root()
-    try:
-        params = load_params(root / "params.yaml")
-        scenes = [scene] if scene else sorted(params.base.scenes)
-        for s in scenes:
-            params.scene(s)
-    except ConfigError as e:
-        _fail(str(e))
+    root = require_project_root()
+    params = load_params(root / "params.yaml")
+    scenes = [scene] if scene else sorted(params.base.scenes)
+    for s in scenes:
+        params.scene(s)  # an unknown scene: a ConfigError naming `splatflow add-scene`
     from splatflow.orchestrate.dvcrun import stage_env, stage_order
 
     targets = [t for s in scenes for t in stage_order(root, s)]
     cmd = [_dvc(), "repro", *targets] + (["--force"] if force else [])
-    from splatflow.orchestrate.workspace import WorkspaceBusy, workspace_lock
+    from splatflow.orchestrate.workspace import run_foreground, workspace_lock
 
     def tell(msg: str) -> None:
         typer.secho(f"waiting: {msg} (Ctrl-C to give up)", fg=typer.colors.YELLOW, err=True)
 
-    try:
-        with workspace_lock(root, wait_s=None if wait else 0, on_wait=tell):
-            typer.echo("$ " + " ".join(["dvc", *cmd[1:]]))
-            rc = subprocess.call(cmd, cwd=root, env=stage_env())
-    except WorkspaceBusy as e:
-        typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
-        raise typer.Exit(3) from None
+    with workspace_lock(root, wait_s=None if wait else 0, on_wait=tell):  # WorkspaceBusy: exit 3
+        typer.echo("$ " + " ".join(["dvc", *cmd[1:]]))
+        rc = run_foreground(cmd, root, stage_env())
+    if rc in (130, 143):
+        typer.secho(f"stopped ({'Ctrl-C' if rc == 130 else 'SIGTERM'}): the stage that ran kept its partial work "
+                    f"(train: its checkpoint) and its MLflow run is KILLED; `{' '.join(['splatflow run', *scenes])}` "
+                    "continues from there", fg=typer.colors.YELLOW, err=True)
     if rc != 0:
         raise typer.Exit(rc)
     for s in scenes:
         typer.echo(f"\n{s}: metrics in metrics/{s}/ ; `dvc metrics show` to see them")
 
 
-from splatflow import ops_cli  # noqa: E402  (servers, flows, runs: registered after the core commands)
+# The sub-apps: their commands keep the command lines they always had (`splatflow ui`, `splatflow runs reap`).
+app.add_typer(ops_cli.servers_app)
+app.add_typer(ops_cli.flows_app)
+app.add_typer(ops_cli.runs_app, name="runs", rich_help_panel=ops_cli.RESULTS)
+app.add_typer(ops_cli.results_app)
+app.add_typer(view_cli.app)
 
-ops_cli.register(app)
 
-from splatflow import view_cli  # noqa: E402  (view, report, build-web)
-
-view_cli.register(app)
+def main() -> None:
+    app()
 
 
 if __name__ == "__main__":
-    app()
+    main()

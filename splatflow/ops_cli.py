@@ -1,6 +1,12 @@
-"""Orchestration commands of the ``splatflow`` CLI: servers, Prefect flows and deployments, MLflow maintenance,
-comparisons and reruns.  ``splatflow.cli`` calls :func:`register`; heavy imports (prefect, mlflow, dvc) happen
-inside the commands so the rest of the CLI starts fast.  See docs/orchestration.md.
+"""Orchestration commands of the ``splatflow`` CLI, as typer sub-apps that ``splatflow.cli`` mounts:
+
+* :data:`servers_app` -- ``ui`` and ``serve`` (Prefect and MLflow servers, work pool, workers, the schedule);
+* :data:`flows_app` -- ``flow`` and ``batch`` (Prefect flows);
+* :data:`runs_app` -- ``runs list`` and ``runs reap`` (MLflow run maintenance);
+* :data:`results_app` -- ``compare``, ``rerun`` and ``plots``.
+
+Heavy imports (prefect, mlflow, dvc) happen inside the commands so the CLI starts fast. A bad input raises
+:class:`~splatflow.errors.UserError`, which the CLI prints without a traceback (exit 2). See docs/orchestration.md.
 """
 
 from __future__ import annotations
@@ -14,19 +20,16 @@ from typing import Optional
 
 import typer
 
+from splatflow.errors import UserError
+
 PREFECT_PORT = 4200
 MLFLOW_PORT = 5000
 
 
 def _root() -> Path:
-    from splatflow.tracking import repo_root
+    from splatflow.paths import require_project_root
 
-    return repo_root()
-
-
-def _fail(msg: str, code: int = 2):
-    typer.secho(f"error: {msg}", fg=typer.colors.RED, err=True)
-    raise typer.Exit(code)
+    return require_project_root()
 
 
 def _quiet_env() -> None:
@@ -63,250 +66,257 @@ def _flows():
     return root
 
 
-def register(app: typer.Typer) -> None:
-    """Add ``ui``, ``serve``, ``flow``, ``batch``, ``runs``, ``compare``, ``rerun`` and ``plots`` to ``app``."""
+servers_app = typer.Typer()
+flows_app = typer.Typer()
+runs_app = typer.Typer(help="MLflow run maintenance", no_args_is_help=True)
+results_app = typer.Typer()
+SERVERS, FLOWS, RESULTS = "Servers and schedules", "Prefect flows", "Results"
 
-    @app.command("ui")
-    def ui(prefect_port: int = typer.Option(PREFECT_PORT, help="Prefect server port"),
-           mlflow_port: int = typer.Option(MLFLOW_PORT, help="MLflow server port"),
-           host: str = typer.Option("127.0.0.1", help="address to bind (keep loopback unless you mean to share)"),
-           prefect_home: Optional[Path] = typer.Option(None, help="Prefect database folder "
-                                                       "(default: $PREFECT_HOME or ~/.prefect)")):
-        """Start the Prefect and MLflow servers (low-memory settings), print their URLs; Ctrl-C stops both."""
-        from splatflow.orchestrate import servers
 
-        _quiet_env()
-        root = _root()
-        home = prefect_home or Path(os.environ.get("PREFECT_HOME", Path.home() / ".prefect"))
-        started = []
-        try:
-            pf = servers.start_prefect(prefect_port, host=host, home=home, log_dir=root / ".splatflow")
-            started.append(pf)
-            ml = servers.start_mlflow(mlflow_port, host=host, root=root, log_dir=root / ".splatflow")
-            started.append(ml)
-            typer.echo("starting Prefect and MLflow servers ...")
+
+@servers_app.command("ui", rich_help_panel=SERVERS)
+def ui(prefect_port: int = typer.Option(PREFECT_PORT, help="Prefect server port"),
+       mlflow_port: int = typer.Option(MLFLOW_PORT, help="MLflow server port"),
+       host: str = typer.Option("127.0.0.1", help="address to bind (keep loopback unless you mean to share)"),
+       prefect_home: Optional[Path] = typer.Option(None, help="Prefect database folder "
+                                                   "(default: $PREFECT_HOME or ~/.prefect)")):
+    """Start the Prefect and MLflow servers (low-memory settings), print their URLs; Ctrl-C stops both."""
+    from splatflow.orchestrate import servers
+
+    _quiet_env()
+    from splatflow.paths import repo_root
+
+    root = repo_root()  # the project's folder, or the cwd: the MLflow store and server logs go there
+    home = prefect_home or Path(os.environ.get("PREFECT_HOME", Path.home() / ".prefect"))
+    started = []
+    try:
+        pf = servers.start_prefect(prefect_port, host=host, home=home, log_dir=root / ".splatflow")
+        started.append(pf)
+        ml = servers.start_mlflow(mlflow_port, host=host, root=root, log_dir=root / ".splatflow")
+        started.append(ml)
+        typer.echo("starting Prefect and MLflow servers ...")
+        for s in started:
+            s.wait_healthy(180)
+    except (RuntimeError, TimeoutError) as e:
+        for s in started:
+            s.stop()
+        raise UserError(str(e)) from None
+    typer.secho(f"Prefect UI  {pf.url}    (log {pf.log})", fg=typer.colors.GREEN)
+    typer.secho(f"MLflow UI   {ml.url}    (log {ml.log}; store sqlite:///{root / 'mlflow.db'})",
+                fg=typer.colors.GREEN)
+    typer.echo(f"\nIn other shells:\n  export PREFECT_API_URL={pf.url}/api\n"
+               f"  export MLFLOW_TRACKING_URI=sqlite:///{root / 'mlflow.db'}   # or {ml.url}\n"
+               "Ctrl-C stops both servers.")
+    stop = {"now": False}
+
+    def handler(signum, frame):  # noqa: ARG001
+        stop["now"] = True
+
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        while not stop["now"]:
             for s in started:
-                s.wait_healthy(180)
-        except (RuntimeError, TimeoutError) as e:
-            for s in started:
-                s.stop()
-            _fail(str(e))
-        typer.secho(f"Prefect UI  {pf.url}    (log {pf.log})", fg=typer.colors.GREEN)
-        typer.secho(f"MLflow UI   {ml.url}    (log {ml.log}; store sqlite:///{root / 'mlflow.db'})",
-                    fg=typer.colors.GREEN)
-        typer.echo(f"\nIn other shells:\n  export PREFECT_API_URL={pf.url}/api\n"
-                   f"  export MLFLOW_TRACKING_URI=sqlite:///{root / 'mlflow.db'}   # or {ml.url}\n"
-                   "Ctrl-C stops both servers.")
-        stop = {"now": False}
+                if not s.alive():
+                    typer.secho(f"{s.name} server exited ({s.proc.returncode}); log {s.log}:\n{s.tail()}",
+                                fg=typer.colors.RED, err=True)
+                    stop["now"] = True
+            time.sleep(1)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        typer.echo("stopping servers ...")
+        for s in started:
+            s.stop()
+        typer.echo("stopped")
 
-        def handler(signum, frame):  # noqa: ARG001
-            stop["now"] = True
 
-        signal.signal(signal.SIGTERM, handler)
-        try:
-            while not stop["now"]:
-                for s in started:
-                    if not s.alive():
-                        typer.secho(f"{s.name} server exited ({s.proc.returncode}); log {s.log}:\n{s.tail()}",
-                                    fg=typer.colors.RED, err=True)
-                        stop["now"] = True
-                time.sleep(1)
-        except KeyboardInterrupt:
-            pass
-        finally:
-            typer.echo("stopping servers ...")
-            for s in started:
-                s.stop()
-            typer.echo("stopped")
+@servers_app.command("serve", rich_help_panel=SERVERS)
+def serve(pool: str = typer.Option("splatflow", help="process work pool name"),
+          workers: int = typer.Option(1, help="workers to start on this machine (0: start them yourself)"),
+          cron: str = typer.Option("0 3 * * *", help="schedule of the batch/nightly deployment ('' = none)"),
+          scenes: Optional[list[str]] = typer.Option(None, "--scene", help="scenes of the scheduled batch "
+                                                     "(default: all)"),
+          max_concurrent: int = typer.Option(2, help="scene runs in flight per batch"),
+          repo: Optional[Path] = typer.Option(None, help="project folder workers run from (default: here)")):
+    """Create the work pool and deployments, start workers, and serve the scheduled batch until Ctrl-C."""
+    _use_local_prefect_server()
+    if not os.environ.get("PREFECT_API_URL"):
+        raise UserError("`serve` needs a Prefect server: run `splatflow ui` first (or set PREFECT_API_URL)")
+    # the flows (and the served deployments' entrypoints) come from the project served, not from the cwd
+    root = Path(repo).resolve() if repo else _root()
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    from flows.deployments import deploy_scene, ensure_pool, serve_forever
 
-    @app.command("serve")
-    def serve(pool: str = typer.Option("splatflow", help="process work pool name"),
-              workers: int = typer.Option(1, help="workers to start on this machine (0: start them yourself)"),
-              cron: str = typer.Option("0 3 * * *", help="schedule of the batch/nightly deployment ('' = none)"),
-              scenes: Optional[list[str]] = typer.Option(None, "--scene", help="scenes of the scheduled batch "
-                                                         "(default: all)"),
-              max_concurrent: int = typer.Option(2, help="scene runs in flight per batch"),
-              repo: Optional[Path] = typer.Option(None, help="project folder workers run from (default: here)")):
-        """Create the work pool and deployments, start workers, and serve the scheduled batch until Ctrl-C."""
-        _use_local_prefect_server()
-        if not os.environ.get("PREFECT_API_URL"):
-            _fail("`serve` needs a Prefect server: run `splatflow ui` first (or set PREFECT_API_URL)")
-        # the flows (and the served deployments' entrypoints) come from the project served, not from the cwd
-        root = Path(repo).resolve() if repo else _root()
-        if str(root) not in sys.path:
-            sys.path.insert(0, str(root))
-        from flows.deployments import deploy_scene, ensure_pool, serve_forever
+    from splatflow.orchestrate import servers
 
-        from splatflow.orchestrate import servers
+    ensure_pool(pool)
+    deploy_scene(root, pool)
+    typer.echo(f"work pool {pool!r} (process) with deployment reconstruct/scene from {root}")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # SIGTERM during start-up still stops the workers
+    started = []
+    try:
+        for i in range(workers):
+            started.append(servers.start_worker(pool, api_url=os.environ["PREFECT_API_URL"], limit=1,
+                                                name=f"{os.uname().nodename}-{i}", log_dir=root / ".splatflow",
+                                                cwd=root))
+            typer.echo(f"{started[-1].name} (log {started[-1].log})")
+        serve_forever(root, cron=cron or None, scenes=scenes or None, max_concurrent=max_concurrent)
+    finally:
+        for s in (signal.SIGTERM, signal.SIGINT):  # let the workers' flow runs finish cleaning up
+            signal.signal(s, signal.SIG_IGN)
+        if started:
+            typer.echo(f"stopping {len(started)} worker(s) and their flow runs ...")
+        for w in started:
+            w.stop()
 
-        ensure_pool(pool)
-        deploy_scene(root, pool)
-        typer.echo(f"work pool {pool!r} (process) with deployment reconstruct/scene from {root}")
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # SIGTERM during start-up still stops the workers
-        started = []
-        try:
-            for i in range(workers):
-                started.append(servers.start_worker(pool, api_url=os.environ["PREFECT_API_URL"], limit=1,
-                                                    name=f"{os.uname().nodename}-{i}", log_dir=root / ".splatflow",
-                                                    cwd=root))
-                typer.echo(f"{started[-1].name} (log {started[-1].log})")
-            serve_forever(root, cron=cron or None, scenes=scenes or None, max_concurrent=max_concurrent)
-        finally:
-            for s in (signal.SIGTERM, signal.SIGINT):  # let the workers' flow runs finish cleaning up
-                signal.signal(s, signal.SIG_IGN)
-            if started:
-                typer.echo(f"stopping {len(started)} worker(s) and their flow runs ...")
-            for w in started:
-                w.stop()
 
-    @app.command("flow")
-    def flow_cmd(scene: str = typer.Argument("demo", help="scene to reconstruct"),
-                 force: bool = typer.Option(False, help="rerun stages DVC finds up to date"),
-                 worktree: bool = typer.Option(False, help="run in a throw-away git worktree of HEAD"),
-                 set_: Optional[list[str]] = typer.Option(None, "--set", "-S",
-                                                          help="param override key=value (implies --worktree)"),
-                 stage_timeout: Optional[float] = typer.Option(None, help="seconds before a stage is killed")):
-        """Run one scene through the Prefect ``reconstruct`` flow (one task per DVC stage)."""
-        from splatflow.orchestrate.workspace import parse_override
+@flows_app.command("flow", rich_help_panel=FLOWS)
+def flow_cmd(scene: str = typer.Argument("demo", help="scene to reconstruct"),
+             force: bool = typer.Option(False, help="rerun stages DVC finds up to date"),
+             worktree: bool = typer.Option(False, help="run in a throw-away git worktree of HEAD"),
+             set_: Optional[list[str]] = typer.Option(None, "--set", "-S",
+                                                      help="param override key=value (implies --worktree)"),
+             stage_timeout: Optional[float] = typer.Option(None, help="seconds before a stage is killed")):
+    """Run one scene through the Prefect ``reconstruct`` flow (one task per DVC stage)."""
+    from splatflow.orchestrate.workspace import parse_override
 
-        _use_local_prefect_server()
-        root = _flows()
-        from flows.reconstruct import reconstruct
+    overrides = dict(parse_override(s) for s in set_ or []) or None
+    _use_local_prefect_server()
+    root = _flows()
+    from flows.reconstruct import reconstruct
 
-        overrides = dict(parse_override(s) for s in set_ or []) or None
-        ws = "worktree" if (worktree or overrides) else "inplace"
-        res = reconstruct(scene=scene, repo=str(root), workspace=ws, overrides=overrides, force=force,
-                          stage_timeout_s=stage_timeout)
-        typer.echo(f"{scene}: MLflow run {res['run_id']}")
+    ws = "worktree" if (worktree or overrides) else "inplace"
+    res = reconstruct(scene=scene, repo=str(root), workspace=ws, overrides=overrides, force=force,
+                      stage_timeout_s=stage_timeout)
+    typer.echo(f"{scene}: MLflow run {res['run_id']}")
 
-    @app.command("batch")
-    def batch_cmd(scenes: Optional[list[str]] = typer.Argument(None, help="scenes (default: all)"),
-                  sweep: Optional[list[str]] = typer.Option(None, "--config", "-c",
-                                                            help="one sweep config: 'k=v,k2=v2' (repeatable)"),
-                  max_concurrent: int = typer.Option(2, help="scene runs in flight"),
-                  local: bool = typer.Option(False, help="run children in this process instead of the work pool"),
-                  force: bool = typer.Option(False, help="rerun stages DVC finds up to date")):
-        """Run many scenes and/or a sweep as one batch (children via the work pool unless --local)."""
-        from splatflow.orchestrate.workspace import parse_override
 
-        _use_local_prefect_server()
-        root = _flows()
-        from flows.batch import batch
+@flows_app.command("batch", rich_help_panel=FLOWS)
+def batch_cmd(scenes: Optional[list[str]] = typer.Argument(None, help="scenes (default: all)"),
+              sweep: Optional[list[str]] = typer.Option(None, "--config", "-c",
+                                                        help="one sweep config: 'k=v,k2=v2' (repeatable)"),
+              max_concurrent: int = typer.Option(2, help="scene runs in flight"),
+              local: bool = typer.Option(False, help="run children in this process instead of the work pool"),
+              force: bool = typer.Option(False, help="rerun stages DVC finds up to date")):
+    """Run many scenes and/or a sweep as one batch (children via the work pool unless --local)."""
+    from splatflow.orchestrate.workspace import parse_override
 
-        configs = [dict(parse_override(kv) for kv in c.split(",") if kv.strip()) for c in sweep or []] or None
-        res = batch(scenes=scenes or None, sweep=configs, max_concurrent=max_concurrent,
-                    deployment=None if local else "reconstruct/scene", repo=str(root), force=force)
-        for r in res:
-            typer.echo(f"{r['job']}: {r['state']}")
+    configs = [dict(parse_override(kv) for kv in c.split(",") if kv.strip()) for c in sweep or []] or None
+    _use_local_prefect_server()
+    root = _flows()
+    from flows.batch import batch
 
-    runs = typer.Typer(help="MLflow run maintenance")
-    app.add_typer(runs, name="runs")
+    res = batch(scenes=scenes or None, sweep=configs, max_concurrent=max_concurrent,
+                deployment=None if local else "reconstruct/scene", repo=str(root), force=force)
+    for r in res:
+        typer.echo(f"{r['job']}: {r['state']}")
 
-    @runs.command("reap")
-    def reap_cmd(older_than_hours: Optional[float] = typer.Option(
-                     None, help="also reap RUNNING runs of other hosts / without owner tags older than this"),
-                 dry_run: bool = typer.Option(False, help="only list what would be reaped")):
-        """Mark KILLED the runs left RUNNING by a process that no longer exists."""
-        from splatflow import tracking
 
-        reaped = tracking.reap(older_than_hours=older_than_hours, dry_run=dry_run)
-        for r in reaped:
-            typer.echo(f"{'would reap' if dry_run else 'reaped'} {r['run_id']} ({r['scene']}): {r['reason']}")
-        typer.echo(f"{len(reaped)} run(s) {'to reap' if dry_run else 'marked KILLED'}")
+@runs_app.command("reap")
+def reap_cmd(older_than_hours: Optional[float] = typer.Option(
+                 None, help="also reap RUNNING runs of other hosts / without owner tags older than this"),
+             dry_run: bool = typer.Option(False, help="only list what would be reaped")):
+    """Mark KILLED the runs left RUNNING by a process that no longer exists."""
+    from splatflow import tracking
 
-    @runs.command("list")
-    def list_cmd(n: int = typer.Option(10, help="how many"), scene: Optional[str] = typer.Option(None)):
-        """The newest runs (any status)."""
-        from splatflow import tracking
+    reaped = tracking.reap(older_than_hours=older_than_hours, dry_run=dry_run)
+    for r in reaped:
+        typer.echo(f"{'would reap' if dry_run else 'reaped'} {r['run_id']} ({r['scene']}): {r['reason']}")
+    typer.echo(f"{len(reaped)} run(s) {'to reap' if dry_run else 'marked KILLED'}")
 
-        for r in tracking.latest_runs(n, scene=scene, status=None):
-            t = r.data.tags
-            typer.echo(f"{r.info.run_id}  {r.info.status:9s} {t.get('splatflow.scene', '-'):10s} "
-                       f"{(t.get('git.commit') or '')[:10]:10s} {r.info.run_name}")
 
-    @app.command("compare")
-    def compare_cmd(run_ids: Optional[list[str]] = typer.Argument(None, help="runs (default: the two newest "
-                                                                   "finished scene runs)"),
-                    all_params: bool = typer.Option(False, help="show equal params too"),
-                    scene: Optional[str] = typer.Option(None, help="with no RUNs: newest runs of this scene"),
-                    html_out: Optional[Path] = typer.Option(None, "--html", help="also write a side-by-side page of "
-                                                            "two runs (params, metric deltas, curves, test views)")):
-        """Side-by-side table of runs: params that differ, and every final metric."""
-        import pandas as pd
+@runs_app.command("list")
+def list_cmd(n: int = typer.Option(10, help="how many"), scene: Optional[str] = typer.Option(None)):
+    """The newest runs (any status)."""
+    from splatflow import tracking
 
-        from splatflow import tracking
+    for r in tracking.latest_runs(n, scene=scene, status=None):
+        t = r.data.tags
+        typer.echo(f"{r.info.run_id}  {r.info.status:9s} {t.get('splatflow.scene', '-'):10s} "
+                   f"{(t.get('git.commit') or '')[:10]:10s} {r.info.run_name}")
 
-        ids = list(run_ids or [])
-        if not ids:
-            ids = [r.info.run_id for r in tracking.latest_runs(2, scene=scene)
-                   if r.data.tags.get("splatflow.kind") != "batch"]
-            if len(ids) < 2:
-                _fail("fewer than two finished runs to compare; pass run ids (`splatflow runs list`)")
-        df = tracking.compare(ids, all_params=all_params)
-        df = df[[not (k == "metric" and "/" in key) for k, key in df.index]]  # live curves: see the MLflow UI
-        with pd.option_context("display.max_rows", None, "display.max_columns", None, "display.width", 200,
-                               "display.max_colwidth", 40):
-            typer.echo(df.to_string())
-        if html_out is not None:
-            if len(ids) != 2:
-                _fail(f"--html compares exactly two runs, got {len(ids)}")
-            from splatflow.compare_html import write_compare_html
-            from splatflow.errors import UserError
 
-            try:
-                typer.echo(f"wrote {write_compare_html(ids[0], ids[1], html_out)}")
-            except UserError as e:
-                _fail(str(e))
+@results_app.command("compare", rich_help_panel=RESULTS)
+def compare_cmd(run_ids: Optional[list[str]] = typer.Argument(None, help="runs (default: the two newest "
+                                                               "finished scene runs)"),
+                all_params: bool = typer.Option(False, help="show equal params too"),
+                scene: Optional[str] = typer.Option(None, help="with no RUNs: newest runs of this scene"),
+                html_out: Optional[Path] = typer.Option(None, "--html", help="also write a side-by-side page of "
+                                                        "two runs (params, metric deltas, curves, test views)")):
+    """Side-by-side table of runs: params that differ, and every final metric."""
+    import pandas as pd
 
-    @app.command("rerun")
-    def rerun_cmd(commit: str = typer.Argument(..., help="git commit (or ref) to reproduce"),
-                  scene: Optional[list[str]] = typer.Option(None, "--scene", help="scenes (default: all at that "
-                                                            "commit)"),
-                  run: Optional[str] = typer.Option(None, help="original MLflow run to compare with (default: the "
-                                                    "newest finished run of that commit and scene)"),
-                  rtol: float = typer.Option(1e-2, help="relative tolerance for equal metrics"),
-                  atol: float = typer.Option(1e-6, help="absolute tolerance for equal metrics"),
-                  keep: bool = typer.Option(False, help="keep the worktree for inspection"),
-                  verbose: bool = typer.Option(False, "-v", help="stream DVC output")):
-        """Reproduce a commit in a temporary worktree, log it to MLflow linked to the original, diff metrics."""
-        from splatflow.orchestrate.rerun import rerun_commit
-        from splatflow.orchestrate.workspace import WorkspaceError
+    from splatflow import tracking
 
-        _quiet_env()
-        try:
-            results = rerun_commit(_root(), commit, scenes=scene or None, run_id=run, rtol=rtol, atol=atol,
-                                   keep=keep, on_line=typer.echo if verbose else None, log=typer.echo)
-        except (WorkspaceError, ValueError) as e:
-            _fail(str(e))
-        bad = False
-        for res in results:
-            typer.echo(f"\n{res.scene} @ {res.commit[:12]}: rerun {res.rerun_run_id} vs original "
-                       f"{res.original_run_id or '(none)'}  [match: |diff| <= {atol:g} + {rtol:g}*|original|]")
-            typer.echo(f"  {'metric':40s} {'original':>14s} {'rerun':>14s} {'diff':>12s}")
-            for d in res.diffs:
-                mark = "ok" if d.ok else "DIFFERS"
-                if not d.judged:
-                    mark = "(timing)" if res.original_run_id else ""
-                fmt = lambda v: f"{v:14.6g}" if v is not None else f"{'-':>14s}"  # noqa: E731
-                diff = f"{d.diff:12.3g}" if d.diff is not None else f"{'-':>12s}"
-                typer.echo(f"  {d.key:40s} {fmt(d.original)} {fmt(d.rerun)} {diff}  {mark}")
-            if res.compared:
-                typer.echo("  => " + ("reproduced within tolerance" if res.ok else "metrics DIFFER beyond tolerance"))
-            else:
-                typer.echo(f"  => NOT COMPARED: MLflow has no finished run of scene {res.scene} at commit "
-                           f"{res.commit[:12]} (run the pipeline at that commit first, or pass --run RUN_ID); the "
-                           "rerun's metrics above are logged, nothing was checked")
-            bad |= not res.ok
-        raise typer.Exit(1 if bad else 0)
+    ids = list(run_ids or [])
+    if not ids:
+        ids = [r.info.run_id for r in tracking.latest_runs(2, scene=scene)
+               if r.data.tags.get("splatflow.kind") != "batch"]
+        if len(ids) < 2:
+            raise UserError("fewer than two finished runs to compare; pass run ids (`splatflow runs list`)")
+    df = tracking.compare(ids, all_params=all_params)
+    df = df[[not (k == "metric" and "/" in key) for k, key in df.index]]  # live curves: see the MLflow UI
+    with pd.option_context("display.max_rows", None, "display.max_columns", None, "display.width", 200,
+                           "display.max_colwidth", 40):
+        typer.echo(df.to_string())
+    if html_out is not None:
+        if len(ids) != 2:
+            raise UserError(f"--html compares exactly two runs, got {len(ids)}")
+        from splatflow.compare_html import write_compare_html
 
-    @app.command("plots")
-    def plots_cmd(scene: str = typer.Argument("demo")):
-        """Render plots/<scene>/train.csv to plots/<scene>/train.png (DVC's HTML plots need the web)."""
-        from splatflow.orchestrate.plots import render_csv_png
-        from splatflow.paths import ScenePaths
+        typer.echo(f"wrote {write_compare_html(ids[0], ids[1], html_out)}")
 
-        paths = ScenePaths(scene, _root())
-        if not paths.train_csv.exists():
-            _fail(f"{paths.train_csv} does not exist: run the train stage first (`splatflow run {scene}`)")
-        out = render_csv_png(paths.train_csv, paths.train_csv.with_suffix(".png"), title=f"{scene}: train")
-        typer.echo(f"wrote {out}")
+
+@results_app.command("rerun", rich_help_panel=RESULTS)
+def rerun_cmd(commit: str = typer.Argument(..., help="git commit (or ref) to reproduce"),
+              scene: Optional[list[str]] = typer.Option(None, "--scene", help="scenes (default: all at that "
+                                                        "commit)"),
+              run: Optional[str] = typer.Option(None, help="original MLflow run to compare with (default: the "
+                                                "newest finished run of that commit and scene)"),
+              rtol: float = typer.Option(1e-2, help="relative tolerance for equal metrics"),
+              atol: float = typer.Option(1e-6, help="absolute tolerance for equal metrics"),
+              keep: bool = typer.Option(False, help="keep the worktree for inspection"),
+              verbose: bool = typer.Option(False, "-v", help="stream DVC output")):
+    """Reproduce a commit in a temporary worktree, log it to MLflow linked to the original, diff metrics."""
+    from splatflow.orchestrate.rerun import rerun_commit
+
+    _quiet_env()
+    try:
+        results = rerun_commit(_root(), commit, scenes=scene or None, run_id=run, rtol=rtol, atol=atol,
+                               keep=keep, on_line=typer.echo if verbose else None, log=typer.echo)
+    except ValueError as e:  # a commit without that scene's stages
+        raise UserError(str(e)) from None
+    bad = False
+    for res in results:
+        typer.echo(f"\n{res.scene} @ {res.commit[:12]}: rerun {res.rerun_run_id} vs original "
+                   f"{res.original_run_id or '(none)'}  [match: |diff| <= {atol:g} + {rtol:g}*|original|]")
+        typer.echo(f"  {'metric':40s} {'original':>14s} {'rerun':>14s} {'diff':>12s}")
+        for d in res.diffs:
+            mark = "ok" if d.ok else "DIFFERS"
+            if not d.judged:
+                mark = "(timing)" if res.original_run_id else ""
+            fmt = lambda v: f"{v:14.6g}" if v is not None else f"{'-':>14s}"  # noqa: E731
+            diff = f"{d.diff:12.3g}" if d.diff is not None else f"{'-':>12s}"
+            typer.echo(f"  {d.key:40s} {fmt(d.original)} {fmt(d.rerun)} {diff}  {mark}")
+        if res.compared:
+            typer.echo("  => " + ("reproduced within tolerance" if res.ok else "metrics DIFFER beyond tolerance"))
+        else:
+            typer.echo(f"  => NOT COMPARED: MLflow has no finished run of scene {res.scene} at commit "
+                       f"{res.commit[:12]} (run the pipeline at that commit first, or pass --run RUN_ID); the "
+                       "rerun's metrics above are logged, nothing was checked")
+        bad |= not res.ok
+    raise typer.Exit(1 if bad else 0)
+
+
+@results_app.command("plots", rich_help_panel=RESULTS)
+def plots_cmd(scene: str = typer.Argument("demo")):
+    """Render plots/<scene>/train.csv to plots/<scene>/train.png (DVC's HTML plots need the web)."""
+    from splatflow.orchestrate.plots import render_csv_png
+    from splatflow.paths import ScenePaths
+
+    paths = ScenePaths(scene, _root())
+    if not paths.train_csv.exists():
+        raise UserError(f"{paths.train_csv} does not exist: run the train stage first (`splatflow run {scene}`)")
+    out = render_csv_png(paths.train_csv, paths.train_csv.with_suffix(".png"), title=f"{scene}: train")
+    typer.echo(f"wrote {out}")

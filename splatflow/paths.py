@@ -7,12 +7,39 @@ from pathlib import Path
 
 
 def project_root(start: str | Path | None = None) -> Path:
-    """The folder holding params.yaml and dvc.yaml (searching upwards from ``start`` or the cwd)."""
+    """The checkout a command works in: the nearest folder holding params.yaml and dvc.yaml, searching upwards
+    from ``start`` (default: the cwd); ``start`` itself when there is none (see :func:`require_project_root`)."""
     here = Path(start or Path.cwd()).resolve()
     for p in (here, *here.parents):
         if (p / "params.yaml").exists() and (p / "dvc.yaml").exists():
             return p
     return here
+
+
+def repo_root(start: str | Path | None = None) -> Path:
+    """The project root, seen through DVC's temporary experiment workspaces.
+
+    ``dvc exp run --temp`` and the experiment queue run stages in ``<repo>/.dvc/tmp/exps/<tmpdir>``; a default
+    tracking store (or a server's log folder) inside that folder would vanish with it, so the root is the repo that
+    holds ``.dvc/tmp``. Anywhere else it is :func:`project_root`.
+    """
+    root = project_root(start)
+    parts = root.parts
+    for i in range(len(parts) - 3):
+        if parts[i : i + 3] == (".dvc", "tmp", "exps"):
+            return Path(*parts[:i])
+    return root
+
+
+def require_project_root(start: str | Path | None = None) -> Path:
+    """:func:`repo_root`, or a :class:`~splatflow.errors.UserError` saying where to run from when there is none."""
+    from splatflow.errors import UserError
+
+    root = repo_root(start)
+    if not (root / "params.yaml").exists() or not (root / "dvc.yaml").exists():
+        raise UserError(f"no params.yaml and dvc.yaml in {root} or its parents: run splatflow from the project "
+                        "folder (the one with params.yaml, dvc.yaml and stages/)")
+    return root
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from typing import Callable
 
 from splatflow import stop
 from splatflow.config import ConfigError, Params, load_params
-from splatflow.errors import UserError
+from splatflow.errors import UserError, fail
 from splatflow.paths import ScenePaths
 
 RunFn = Callable[[Params, ScenePaths], dict]
@@ -92,11 +92,22 @@ def _drill_hold(stage: str, scene: str) -> None:
         time.sleep(float(hold))
 
 
+def _check_sole_writer(stage: str, scene: str, root: Path) -> None:
+    """Stop before any work when another run writes in this checkout (a ``dvc repro`` started by hand beside a
+    ``splatflow run``: DVC itself lets it run any stage whose files that run has not locked yet)."""
+    from splatflow.orchestrate.workspace import WorkspaceBusy, busy_message, foreign_writer
+
+    who = foreign_writer(root)
+    if who is not None:
+        fail(f"\nsplatflow {stage} [{scene}] not started: {busy_message(root, who)}", WorkspaceBusy.exit_code)
+
+
 def stage_main(stage: str, run: RunFn, argv: list[str] | None = None, *, needs_threads: bool = True) -> None:
     """Entry point shared by ``python -m stages.<stage> <scene>``.
 
-    Exit status: 0 done, 2 a bad input or setting (the message says which and how to fix it), 143 stopped by
-    SIGTERM (partial work kept where the stage has any, e.g. train's checkpoint; rerun to continue), 1 a bug.
+    Exit status: 0 done, 2 a bad input or setting (the message says which and how to fix it), 3 not started
+    because another run writes in this checkout (the message names it), 143 stopped by SIGTERM (partial work kept
+    where the stage has any, e.g. train's checkpoint; rerun to continue), 1 a bug.
     """
     stop.install()  # SIGTERM from here on is a clean stop (exit 143), also while numba/torch load
     parser = argparse.ArgumentParser(prog=f"python -m stages.{stage}", description=f"splatflow {stage} stage")
@@ -108,10 +119,10 @@ def stage_main(stage: str, run: RunFn, argv: list[str] | None = None, *, needs_t
         # unknown scene
         params = load_params(args.params).for_scene(args.scene)
     except ConfigError as e:
-        print(f"splatflow {stage}: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        fail(f"splatflow {stage}: {e}")
 
     paths = ScenePaths(args.scene, Path(args.params).resolve().parent)
+    _check_sole_writer(stage, args.scene, paths.root)
     seed_everything(params.base.seed)
     if needs_threads:
         configure_threads(params.base.threads)
@@ -127,8 +138,7 @@ def stage_main(stage: str, run: RunFn, argv: list[str] | None = None, *, needs_t
             write_metrics(paths, stage, metrics)
             tracker.log_result(metrics)
     except (UserError, ConfigError) as e:
-        print(f"\nsplatflow {stage} [{args.scene}] failed: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        fail(f"\nsplatflow {stage} [{args.scene}] failed: {e}", getattr(e, "exit_code", 2))
     except stop.StageStopped as e:
         print(f"\nsplatflow {stage} [{args.scene}] stopped: {e}", file=sys.stderr)
         raise SystemExit(stop.STOP_EXIT_CODE) from None

@@ -76,20 +76,7 @@ def enabled() -> bool:
     return os.environ.get("SPLATFLOW_TRACKING", "on").strip().lower() not in {"off", "0", "false", "no"}
 
 
-def repo_root(start: str | Path | None = None) -> Path:
-    """The project root, seen through DVC's temporary experiment workspaces.
-
-    ``dvc exp run --temp`` and the experiment queue run stages in ``<repo>/.dvc/tmp/exps/<tmpdir>``; a default
-    tracking store inside that folder would vanish with it, so the root is the repo that holds ``.dvc/tmp``.
-    """
-    from splatflow.paths import project_root
-
-    root = project_root(start)
-    parts = root.parts
-    for i in range(len(parts) - 3):
-        if parts[i : i + 3] == (".dvc", "tmp", "exps"):
-            return Path(*parts[:i])
-    return root
+from splatflow.paths import repo_root  # noqa: E402,F401  (one way to find the root: splatflow.paths)
 
 
 def tracking_uri(root: str | Path | None = None) -> str:

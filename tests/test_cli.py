@@ -60,3 +60,40 @@ def test_run_targets_follow_dvc_yaml_order():
 def test_run_unknown_scene_fails_clearly(project):
     r = CliRunner().invoke(app, ["run", "kitchen"])
     assert r.exit_code == 2 and "add-scene" in r.output
+
+
+def test_every_command_line_of_the_docs_still_parses():
+    """The commands moved into sub-apps keep their command lines: each answers --help at its documented place."""
+    for args in (["demo-scene"], ["add-scene"], ["run"], ["ui"], ["serve"], ["flow"], ["batch"], ["runs", "reap"],
+                 ["runs", "list"], ["compare"], ["rerun"], ["plots"], ["view"], ["report"], ["build-web"]):
+        r = CliRunner().invoke(app, [*args, "--help"])
+        assert r.exit_code == 0 and "Usage:" in r.output, (args, r.output)
+
+
+def test_user_errors_of_any_sub_app_are_one_message_and_exit_2(project, tmp_path_factory, monkeypatch):
+    r = CliRunner().invoke(app, ["flow", "demo", "-S", "nonsense"])  # the flows sub-app, before Prefect starts
+    assert r.exit_code == 2 and "error: override 'nonsense' must look like section.key=value" in r.output, r.output
+    assert "Traceback" not in r.output
+    r = CliRunner().invoke(app, ["plots", "demo"])  # the results sub-app
+    assert r.exit_code == 2 and "train.csv does not exist" in r.output and "splatflow run demo" in r.output
+
+    monkeypatch.chdir(tmp_path_factory.mktemp("elsewhere"))  # not a project: the message says where to run from
+    for args in (["run", "demo"], ["plots", "demo"]):
+        r = CliRunner().invoke(app, args)
+        assert r.exit_code == 2 and "no params.yaml and dvc.yaml" in r.output, (args, r.output)
+
+
+def test_one_repo_root(tmp_path):
+    """The CLI, the stages and tracking find the project the same way, also from DVC's temporary experiment
+    workspaces (``.dvc/tmp/exps/<tmp>``, a full checkout), whose tracking store must be the repository's."""
+    from splatflow import paths, tracking
+
+    assert tracking.repo_root is paths.repo_root
+    exp = tmp_path / "repo" / ".dvc" / "tmp" / "exps" / "tmpabc"
+    for d in (tmp_path / "repo", exp):
+        d.mkdir(parents=True, exist_ok=True)
+        for name in ("params.yaml", "dvc.yaml"):
+            (d / name).write_text("")
+    assert paths.project_root(exp / "stages") == exp  # where the experiment's stages read and write
+    assert paths.repo_root(exp / "stages") == tmp_path / "repo"  # where its MLflow store is
+    assert paths.require_project_root(tmp_path / "repo" / "data") == tmp_path / "repo"

@@ -4,11 +4,13 @@ stops at once with a message naming what holds the workspace and what to do -- a
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests._project import BIN, make_project, project_env
@@ -91,3 +93,132 @@ def test_a_plain_dvc_repro_in_the_checkout_is_waited_for_and_named(tmp_path):
         import os
 
         assert json.loads((toy / ".splatflow" / "workspace.lock").read_text())["pid"] == os.getpid()
+
+
+# ------------------------------------------------------------------ a `dvc repro` by hand beside a running writer
+
+
+@pytest.fixture(scope="module")
+def two_scenes(tmp_path_factory):
+    """A project with two scenes on the same tiny capture, so that DVC itself would run their stages side by side."""
+    raw = "data/raw/tiny"
+    spec = {"source": f"{raw}/images", "ground_truth": f"{raw}/ground_truth"}
+    return make_project(tmp_path_factory.mktemp("ws2") / "proj", overrides={
+        "base": {"scenes": {"tiny": dict(spec), "tiny2": dict(spec)}}})
+
+
+class Background:
+    """A command in its own session, its output read line by line until a marker shows."""
+
+    def __init__(self, cmd: list[str], root: Path, env: dict):
+        self.proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, start_new_session=True)
+        self.lines: list[str] = []
+
+    def wait_for(self, marker: str, timeout: float = 300) -> None:
+        import selectors
+
+        sel = selectors.DefaultSelector()
+        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not sel.select(timeout=1):
+                continue
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            self.lines.append(line)
+            if marker in line:
+                return
+        self.kill()
+        raise AssertionError(f"never saw {marker!r}:\n{''.join(self.lines)}")
+
+    def rest(self) -> str:
+        return "".join(self.lines) + (self.proc.stdout.read() or "")
+
+    def kill(self) -> None:
+        from splatflow.orchestrate import dvcrun
+
+        dvcrun.kill_group(self.proc, grace_s=30)
+
+
+def _env(root: Path, **extra: str) -> dict:
+    env = project_env()
+    env.update({"SPLATFLOW_TRACKING": "off", **extra})
+    return env
+
+
+def _hand_dvc(root: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "dvc"), *args], cwd=root, env=_env(root), capture_output=True, text=True,
+                          timeout=300)
+
+
+def _cli_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "splatflow.cli", *args]
+
+
+def test_a_dvc_repro_by_hand_beside_splatflow_run_is_told_who_holds_the_workspace(two_scenes):
+    """DVC lets a second ``dvc repro`` run any stage whose files the first has not locked (here: the other scene's
+    ingest), and both would rewrite dvc.lock. The stage shell stops it before any work, naming ``splatflow run`` and
+    its pid; a stage the first run has locked gets DVC's own message, which names the dvc below ``splatflow run``."""
+    run = Background(_cli_cmd("run", "tiny"), two_scenes, _env(two_scenes, SPLATFLOW_STAGE_HOLD_S="300"))
+    try:
+        run.wait_for("holding")  # `splatflow run tiny` is inside ingest@tiny
+        other = _hand_dvc(two_scenes, "repro", "--single-item", "ingest@tiny2")
+        out = " ".join((other.stdout + other.stderr).split())
+        assert other.returncode != 0, out
+        assert "ingest [tiny2] not started" in out and "is busy" in out, out
+        assert f"pid {run.proc.pid} (`splatflow run tiny`" in out, out
+        assert "Wait for it to finish" in out and "--worktree" in out, out
+        assert "exited with 3" in out, out  # DVC reports the stage shell's status: nothing done, nothing recorded
+        assert not (two_scenes / "data" / "tiny2" / "images").exists()  # it wrote nothing
+
+        same = _hand_dvc(two_scenes, "repro", "--single-item", "ingest@tiny")
+        out = " ".join((same.stdout + same.stderr).split())
+        dvc_pid = psutil.Process(run.proc.pid).children()[0].pid
+        assert same.returncode != 0 and "is busy" in out, out
+        assert f"(PID {dvc_pid})" in out and "repro ingest@tiny" in out, out
+    finally:
+        run.kill()
+
+
+def test_a_younger_dvc_repro_is_stopped_beside_an_older_one(two_scenes):
+    """Two ``dvc repro`` by hand, neither through splatflow: the stage of the younger one stops, naming the older."""
+    older = Background([str(BIN / "dvc"), "repro", "--single-item", "ingest@tiny"], two_scenes,
+                       _env(two_scenes, SPLATFLOW_STAGE_HOLD_S="300"))
+    try:
+        older.wait_for("holding")
+        younger = _hand_dvc(two_scenes, "repro", "--single-item", "ingest@tiny2")
+        out = " ".join((younger.stdout + younger.stderr).split())
+        assert younger.returncode != 0 and "not started" in out, out
+        assert f"pid {older.proc.pid} (`dvc repro --single-item ingest@tiny`" in out, out
+    finally:
+        older.kill()
+
+
+def test_splatflow_run_passes_sigterm_on_to_the_stage(two_scenes):
+    """``kill <pid of splatflow run>`` reaches only the CLI; it stops the stage below DVC, which records its run
+    KILLED, waits for it, and exits 143 -- nothing of the run is left behind working in the checkout."""
+    from splatflow import tracking
+    from splatflow.orchestrate.workspace import workspace_lock
+
+    db = two_scenes / "mlflow.db"
+    env = _env(two_scenes, SPLATFLOW_TRACKING="on", MLFLOW_TRACKING_URI=f"sqlite:///{db}",
+               SPLATFLOW_STAGE_HOLD_S="300")
+    env.pop("MLFLOW_RUN_ID", None)
+    run = Background(_cli_cmd("run", "tiny"), two_scenes, env)
+    try:
+        run.wait_for("holding")
+        below = psutil.Process(run.proc.pid).children(recursive=True)
+        run.proc.send_signal(signal.SIGTERM)
+        rc = run.proc.wait(timeout=120)
+        text = run.rest()
+    finally:
+        run.kill()
+    assert rc == 143, text
+    assert "stopped (SIGTERM)" in text and "`splatflow run tiny` continues from there" in text, text
+    assert not [p for p in below if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]  # the stage ended too
+    runs = tracking.latest_runs(5, uri=f"sqlite:///{db}", scene="tiny", status=None)
+    assert runs and runs[0].info.status == "KILLED", [r.info.status for r in runs]
+    with workspace_lock(two_scenes, wait_s=0):
+        pass  # the workspace is free again

@@ -30,9 +30,15 @@ from typing import Any, Callable, Iterator
 
 import yaml
 
+from splatflow.errors import UserError
 
-class WorkspaceError(RuntimeError):
-    pass
+
+class WorkspaceError(UserError):
+    """The checkout cannot be used as asked (not a commit, git failed, a bad override): the message says why."""
+
+
+class OverrideError(WorkspaceError, ValueError):
+    """A ``--set section.key=value`` that is not one."""
 
 
 def _git(root: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -52,7 +58,7 @@ def resolve_commit(root: Path, rev: str) -> str:
 def parse_override(text: str) -> tuple[str, Any]:
     """``"train.max_steps=100"`` -> ``("train.max_steps", 100)`` (the value is read as YAML, like ``dvc exp -S``)."""
     if "=" not in text:
-        raise ValueError(f"override {text!r} must look like section.key=value (e.g. train.max_steps=100)")
+        raise OverrideError(f"override {text!r} must look like section.key=value (e.g. train.max_steps=100)")
     key, _, value = text.partition("=")
     return key.strip(), yaml.safe_load(value)
 
@@ -131,6 +137,8 @@ def worktree(main: str | Path, rev: str = "HEAD", *, name: str | None = None, ov
 class WorkspaceBusy(WorkspaceError):
     """Another writer (a ``splatflow run``, an in-place flow or a plain ``dvc repro``) works in this checkout."""
 
+    exit_code = 3  # not a bad input: nothing was done, the same command works once the other writer is done
+
 
 def _lock_path(root: Path) -> Path:
     return Path(root) / ".splatflow" / "workspace.lock"
@@ -153,12 +161,55 @@ def _describe(info: dict) -> str:
     return f"pid {info['pid']} (`{info.get('command', '?')}`, started {started})"
 
 
-def dvc_writers(root: str | Path) -> list[dict]:
-    """``dvc`` processes (other than this process's ancestors) whose working directory is ``root``: a plain
-    ``dvc repro`` started by hand. The worktrees of flows and batches have other directories."""
-    import psutil
+#: dvc subcommands that write into the workspace (outputs, dvc.lock, the cache); ``exp`` counts with these verbs.
+WRITING_COMMANDS = {"repro", "run", "checkout", "pull", "commit", "add", "remove", "move", "update", "import",
+                    "import-url", "gc", "destroy", "unprotect"}
+WRITING_EXP_COMMANDS = {"run", "apply", "branch", "pull"}
 
-    from splatflow.tracking import _is_dvc_cmd
+
+def _dvc_index(cmd: list[str]) -> int | None:
+    """Where the dvc program is in a command line: ``dvc``, ``python -m dvc``, ``python .../dvc/__main__.py``."""
+    for i, arg in enumerate(cmd[:3]):
+        if os.path.basename(arg) == "dvc" and (i == 0 or cmd[i - 1] == "-m" or (
+                i == 1 and os.path.basename(cmd[0]).startswith("python"))):  # the venv's script, run by its python
+            return i
+        if arg.endswith("dvc/__main__.py"):
+            return i
+    return None
+
+
+def dvc_subcommand(cmd: list[str]) -> list[str]:
+    """The words of a dvc command line after the program and its global options (``dvc -q repro x`` ->
+    ``["repro", "x"]``); [] when ``cmd`` is not dvc."""
+    i = _dvc_index(cmd)
+    if i is None:
+        return []
+    words, skip = [], False
+    for arg in cmd[i + 1:]:
+        if skip:
+            skip = False
+        elif arg == "--cd":
+            skip = True
+        elif not (arg.startswith("-") and not words):
+            words.append(arg)
+    return words
+
+
+def is_writing_dvc(cmd: list[str]) -> bool:
+    """A dvc command that writes in its workspace (``repro``, ``exp run``, ``checkout`` ...; not ``status``,
+    ``dag``, ``metrics show`` or ``exp show``, which may run beside a writer)."""
+    words = dvc_subcommand(cmd)
+    if not words:
+        return False
+    if words[0] == "exp":
+        return len(words) > 1 and words[1] in WRITING_EXP_COMMANDS
+    return words[0] in WRITING_COMMANDS
+
+
+def dvc_writers(root: str | Path) -> list[dict]:
+    """Writing ``dvc`` processes (other than this process and its ancestors) whose working directory is ``root``: a
+    plain ``dvc repro`` started by hand. The worktrees of flows and batches have other directories. Oldest first."""
+    import psutil
 
     root = Path(root).resolve()
     me = psutil.Process()
@@ -167,14 +218,57 @@ def dvc_writers(root: str | Path) -> list[dict]:
     for proc in psutil.process_iter(["pid", "cmdline", "create_time"]):
         try:
             cmd = proc.info["cmdline"] or []
-            if proc.pid in mine or not _is_dvc_cmd(cmd) or Path(proc.cwd()).resolve() != root:
+            if proc.pid in mine or not is_writing_dvc(cmd) or Path(proc.cwd()).resolve() != root:
                 continue
-            found.append({"pid": proc.pid, "command": " ".join(Path(cmd[0]).name if i == 0 else c
-                                                                  for i, c in enumerate(cmd))[:200],
+            found.append({"pid": proc.pid, "command": " ".join(["dvc", *cmd[_dvc_index(cmd) + 1:]])[:200],
                           "started": proc.info["create_time"]})
         except (psutil.Error, OSError):
             continue
-    return found
+    return sorted(found, key=lambda w: w["started"])
+
+
+def foreign_writer(root: str | Path) -> str | None:
+    """Seen from a stage process: who else writes in this checkout, described for a message, or None.
+
+    DVC's own locks do not keep two ``dvc repro`` apart: it releases its workspace lock while a stage's command
+    runs and only locks the running stage's deps and outs, so a ``dvc repro`` started by hand beside a running
+    ``splatflow run`` (or beside another ``dvc repro``) goes ahead with any stage whose files are not locked --
+    another scene's, for one -- and both then rewrite dvc.lock. The stage shell asks this before any work: a
+    writer is foreign when it holds splatflow's workspace lock and is not an ancestor of this stage, or when it
+    is a writing dvc in this checkout started before the dvc that runs this stage (the older one goes on).
+    """
+    import psutil
+
+    root = Path(root).resolve()
+    me = psutil.Process()
+    try:
+        ancestors = me.parents()
+    except psutil.Error:
+        ancestors = []
+    mine = {me.pid, *(p.pid for p in ancestors)}
+    lock = _lock_path(root)
+    if lock.exists():
+        with open(lock, "a+") as fh:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_SH | fcntl.LOCK_NB)  # free: nobody holds it (released at once)
+            except BlockingIOError:
+                info = _holder(lock)
+                if info.get("pid") not in mine:
+                    return _describe(info)
+            else:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+    my_dvc_start = None
+    for p in ancestors:
+        try:
+            if is_writing_dvc(p.cmdline()):
+                my_dvc_start = p.create_time()
+                break
+        except psutil.Error:
+            continue
+    for w in dvc_writers(root):
+        if my_dvc_start is None or w["started"] < my_dvc_start:
+            return _describe(w)
+    return None
 
 
 def busy_message(root: str | Path, who: str) -> str:
@@ -238,3 +332,61 @@ def workspace_lock(root: str | Path, wait_s: float | None = None,
                 fh.seek(0)
                 fh.truncate()
             fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+SHELLS = {"sh", "bash", "dash", "zsh", "ksh", "fish"}
+
+
+def run_foreground(cmd: list[str], cwd: str | Path, env: dict | None = None, *, grace_s: float = 120.0) -> int:
+    """Run ``dvc repro`` in the foreground and pass a stop on to the stage below it; return its exit status.
+
+    ``kill <pid>`` (SIGTERM) reaches only this process, and DVC itself dies on SIGTERM without telling the stage
+    it runs, which would then go on as an orphan while the workspace lock is already released. So the SIGTERM is
+    forwarded to the processes below DVC (the stage records its run KILLED, keeps its checkpoint and exits 143;
+    DVC then reports the stage as failed and releases its own locks), or to DVC when no stage runs yet, and this
+    process waits for all of them before it returns 143. Ctrl-C reaches the whole foreground process group
+    already: DVC ignores SIGINT while a stage runs and the stage stops itself, so here it is only waited for.
+    """
+    import signal
+    import subprocess
+
+    import psutil
+
+    stopped: dict[str, Any] = {"signum": None}
+    below: list[psutil.Process] = []
+
+    def forward(signum, frame) -> None:  # noqa: ARG001
+        if stopped["signum"] is not None:
+            return
+        stopped["signum"] = signum
+        try:
+            procs = psutil.Process().children(recursive=True)
+        except psutil.Error:
+            procs = []
+        below.extend(procs)
+        stages = []
+        for p in procs:
+            try:
+                # not DVC, and not the shell DVC runs the stage's cmd in: that one reports the stage's own 143
+                if _dvc_index(p.cmdline()) is None and not (p.name() in SHELLS and p.children()):
+                    stages.append(p)
+            except psutil.Error:
+                continue
+        for p in stages or [p for p in procs]:
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(signal.SIGTERM)
+
+    proc = subprocess.Popen(cmd, cwd=str(cwd), env=env)
+    old_term = signal.signal(signal.SIGTERM, forward)
+    old_int = signal.signal(signal.SIGINT, lambda *_: stopped.__setitem__("signum", stopped["signum"] or
+                                                                          signal.SIGINT))
+    try:
+        rc = proc.wait()
+        if below:  # a stage that outlived DVC is still recording its stop: the workspace is not free before
+            psutil.wait_procs(below, timeout=grace_s)
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
+        signal.signal(signal.SIGINT, old_int)
+    if stopped["signum"] is not None:
+        return 128 + int(stopped["signum"])
+    return rc
