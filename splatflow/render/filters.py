@@ -4,12 +4,12 @@ progressive training blur, both on the numba kernels of :mod:`._filter_kernels`.
 These are the CPU paths only; :mod:`.ssim` and :func:`splatflow.train.schedules.gaussian_blur` dispatch here for
 tensors on the CPU and keep their torch implementations for every other device.
 
-A 1-D filter along an axis is a banded matrix (see :mod:`._filter_kernels`), built here for the two paddings in
-use: zero "same" padding (SSIM, as the 3DGS reference's ``F.conv2d(padding=5)``) and reflect padding (the
-training blur, as ``F.pad(mode="reflect")``, so a blurred constant image stays constant up to the border). The
-backward of a filter is its transpose; the SSIM window with zero padding is symmetric, the reflect-padded blur
-is not (border pixels receive the gradient of the pixels mirrored onto them), so its backward uses the
-transposed bands.
+Two paddings are in use: zero "same" padding (SSIM, as the 3DGS reference's ``F.conv2d(padding=5)``) and reflect
+padding (the training blur, as ``F.pad(mode="reflect")``, so a blurred constant image stays constant up to the
+border). Along the rows the kernels pad each row and run the taps; down the columns a filter is a banded matrix
+(see :mod:`._filter_kernels`), built here. The backward of a filter is its transpose; the SSIM window with zero
+padding is symmetric, the reflect-padded blur is not (border pixels receive the gradient of the pixels mirrored
+onto them), so its backward uses the transposed band and the transposed row filter.
 """
 
 from __future__ import annotations
@@ -24,8 +24,7 @@ from torch.autograd.function import once_differentiable
 
 WINDOW = 11
 SIGMA = 1.5
-SSIM_CHUNK_ROWS = 48  # rows per parallel work item of the fused SSIM kernel (cache-sized buffers; see there)
-BLUR_CHUNK_ROWS = 48  # the same for the training blur
+MIN_CHUNK_ROWS = 24  # a parallel work item is at least this many rows (or the whole plane)
 
 
 def gaussian_taps(radius: int, sigma: float) -> np.ndarray:
@@ -58,6 +57,29 @@ def _bands(n: int, radius: int, sigma: float, mode: str, transpose: bool, dtype:
     return band.astype(dtype), start, lo, hi
 
 
+@functools.lru_cache(maxsize=32)
+def _taps(radius: int, sigma: float, dtype: str, reverse: bool = False) -> np.ndarray:
+    t = gaussian_taps(radius, sigma)
+    return np.ascontiguousarray(t[::-1] if reverse else t, dtype=dtype)
+
+
+def chunk_rows(H: int, planes: int, threads: int | None = None) -> int:
+    """Rows per parallel work item for ``planes`` planes of ``H`` rows on ``threads`` threads (default: numba's
+    current count). The kernels stream rows through small ring buffers, so a tall chunk costs no cache, only
+    the rows in the filter's reach above and below it are filtered twice (by both chunks that need them): the
+    fewest chunks that split evenly over the threads, as a parallel loop waits for its slowest thread."""
+    if threads is None:
+        import numba
+
+        threads = numba.get_num_threads()
+    planes, threads = max(1, int(planes)), max(1, int(threads))
+    most = max(1, H // MIN_CHUNK_ROWS)
+    nc = 1
+    while nc < most and (planes * nc) % threads != 0 and planes * nc < 4 * threads:
+        nc += 1
+    return -(-H // nc)
+
+
 def _planes(t: Tensor) -> np.ndarray:
     """``[B, C, H, W]`` tensor -> contiguous ``[B * C, H, W]`` numpy view (a copy only if not contiguous)."""
     B, C, H, W = t.shape
@@ -83,12 +105,12 @@ class SSIMCPU(torch.autograd.Function):
 
         B, C, H, W = x.shape
         dt = _dtype_name(x)
-        bw, sw, lw, hw = _bands(W, WINDOW // 2, SIGMA, "zero", False, dt)
         bh, sh, _, _ = _bands(H, WINDOW // 2, SIGMA, "zero", False, dt)
         want_x = bool(with_grad and ctx.needs_input_grad[0])
         want_y = bool(with_grad and ctx.needs_input_grad[1])
         xn, yn = _planes(x), _planes(y)
-        row_sums, l1_rows, gx, gy = K.ssim_fused(xn, yn, bw, sw, lw, hw, bh, sh, want_x, want_y, SSIM_CHUNK_ROWS)
+        row_sums, l1_rows, gx, gy = K.ssim_fused(xn, yn, _taps(WINDOW // 2, SIGMA, dt), bh, sh, want_x, want_y,
+                                                 chunk_rows(H, B * C))
         ctx.arrays = (xn.reshape(-1), yn.reshape(-1), gx.reshape(-1), gy.reshape(-1))
         ctx.with_grad = bool(with_grad)
         ctx.shape = (B, C, H, W)
@@ -134,10 +156,10 @@ class GaussianBlurCPU(torch.autograd.Function):
         if img2 is not None and (img2.shape[-2:] != img.shape[-2:] or img2.dtype != img.dtype):
             raise ValueError(f"blurring two images in one call needs one size and dtype, got {tuple(img.shape)} "
                              f"{img.dtype} and {tuple(img2.shape)} {img2.dtype}")
-        bw, sw, lw, hw = _bands(W, radius, float(sigma_px), "reflect", False, dt)
         bh, sh, _, _ = _bands(H, radius, float(sigma_px), "reflect", False, dt)
         second = _planes(img2) if img2 is not None else np.empty((0, H, W), dtype=dt)
-        out, out2 = K.separable_filter(_planes(img), second, bw, sw, lw, hw, bh, sh, BLUR_CHUNK_ROWS)
+        out, out2 = K.separable_filter(_planes(img), second, _taps(radius, float(sigma_px), dt), K.REFLECT, bh, sh,
+                                       chunk_rows(H, B * C + second.shape[0]))
         ctx.params = (float(sigma_px), int(radius), dt, tuple(img.shape),
                       tuple(img2.shape) if img2 is not None else None)
         if img2 is None:
@@ -155,13 +177,13 @@ class GaussianBlurCPU(torch.autograd.Function):
 
         sigma_px, radius, dt, shape, shape2 = ctx.params
         H, W = shape[-2:]
-        bw, sw, lw, hw = _bands(W, radius, sigma_px, "reflect", True, dt)
         bh, sh, _, _ = _bands(H, radius, sigma_px, "reflect", True, dt)
         want = [i for i, s in enumerate((shape, shape2)) if s is not None and ctx.needs_input_grad[i]]
         planes = [_planes(grads[i].to(getattr(torch, dt))) for i in want]
         while len(planes) < 2:
             planes.append(np.empty((0, H, W), dtype=dt))
-        outs = K.separable_filter(planes[0], planes[1], bw, sw, lw, hw, bh, sh, BLUR_CHUNK_ROWS)
+        outs = K.separable_filter(planes[0], planes[1], _taps(radius, sigma_px, dt, True), K.REFLECT_T, bh, sh,
+                                  chunk_rows(H, planes[0].shape[0] + planes[1].shape[0]))
         res = [None, None]
         for k, i in enumerate(want):
             res[i] = torch.from_numpy(outs[k]).view((shape, shape2)[i])
