@@ -256,3 +256,19 @@ def test_blur_pair_equals_two_blurs():
     assert gaussian_blur_pair(x, y, 0.0) == (x, y)
     m = torch.empty(1, 3, 20, 24, device="meta")
     assert all(t.device.type == "meta" for t in gaussian_blur_pair(m, m, 1.5))
+
+
+def test_blur_skipped_only_where_it_is_the_identity_in_float32():
+    """Below ~0.166 px the float32 blur is the identity to within float32 resolution, and is skipped (the input
+    itself comes back); just above it the blur runs. Either way it agrees with the torch path."""
+    x, y = _pair((1, 3, 23, 29), torch.float32, 15)
+    for sigma, skipped in ((0.06, True), (0.15, True), (0.166, True), (0.17, False), (0.3, False)):
+        a = gaussian_blur(x, sigma)
+        assert (a is x) == skipped, sigma
+        # skipped: within a float32 rounding step of the real blur; run: the usual float32 tolerance
+        torch.testing.assert_close(a, gaussian_blur_torch(x, sigma), rtol=0, atol=1.2e-7 if skipped else 2e-6)
+        pa, pb = gaussian_blur_pair(x, y, sigma)
+        assert (pa is x and pb is y) == skipped
+    # float64 (gradient checks) always takes the exact filter
+    x64 = x.double()
+    assert gaussian_blur(x64, 0.1) is not x64

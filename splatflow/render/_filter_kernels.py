@@ -216,10 +216,11 @@ def ssim_fused(x, y, taps, bh, sh, want_x, want_y, chunk):
 
     Returns ``(row_sums [P * H] float64, l1_rows [P * H] float64, gx, gy)``: per-row sums of the SSIM map and of
     ``|x - y|`` (the L1 term of the training loss, for free while the rows are in cache), and the gradients
-    (empty when not wanted). With ``S`` the map, the moments are ``G x``, ``G y``, ``G x^2``, ``G y^2``,
-    ``G (x y)`` (``G`` the window filter), and ``d sum(S) / dx = G^T dmu_x + 2 x G^T dE[x^2] + y G^T dE[xy]``
-    (symmetrically for y; ``dS/dE[x^2] = dS/dE[y^2]``); the zero-padded symmetric window is its own transpose,
-    so the same filter takes the point-wise derivatives.
+    (empty when not wanted). With ``S`` the map and ``G`` the window filter, the moments are ``G x``, ``G y``,
+    ``G (x^2 + y^2)`` and ``G (x y)``: ``E[x^2]`` and ``E[y^2]`` enter SSIM only through their sum (the sum of
+    the variances), so four filtered moments instead of five. ``d sum(S) / dx = G^T dmu_x + 2 x G^T dE +
+    y G^T dE[xy]`` with ``dE = dS/dE[x^2 + y^2]`` (symmetrically for y); the zero-padded symmetric window is its
+    own transpose, so the same filter takes the point-wise derivatives.
 
     Work is split into chunks of ``chunk`` rows of one plane, in parallel; a chunk streams its rows through two
     rings (see the module docstring): the row-filtered moments, and the row-filtered derivative maps. Output
@@ -250,12 +251,12 @@ def ssim_fused(x, y, taps, bh, sh, want_x, want_y, chunk):
         if need:
             d0, d1 = sh[r0], sh[r1 - 1] + L
         m0 = sh[d0]  # first row whose moments are needed
-        hm = np.empty((5, 2 * R, W), dtype=x.dtype)  # ring: row-filtered x, y, x^2, y^2, xy
+        hm = np.empty((4, 2 * R, W), dtype=x.dtype)  # ring: row-filtered x, y, x^2 + y^2, xy
         dh = np.empty((4, 2 * R if need else 0, W), dtype=x.dtype)  # ring: the row-filtered derivative maps
-        src = np.zeros((5, W + 2 * r), dtype=x.dtype)  # zero-padded rows: x, y, x^2, y^2, xy; then the dm
+        src = np.zeros((4, W + 2 * r), dtype=x.dtype)  # zero-padded rows: x, y, x^2 + y^2, xy; then the dm
         # their insides as slices (an offset index would cost the vectorisation, see the stencils' note)
-        s0, s1, s2, s3, s4 = src[0, r:r + W], src[1, r:r + W], src[2, r:r + W], src[3, r:r + W], src[4, r:r + W]
-        mom = np.empty((5, B, W), dtype=x.dtype)
+        s0, s1, s2, s3 = src[0, r:r + W], src[1, r:r + W], src[2, r:r + W], src[3, r:r + W]
+        mom = np.empty((4, B, W), dtype=x.dtype)
         acc = np.empty((4, B, W), dtype=x.dtype)
         nm = m0  # next row to filter along x
         ni = r0  # next gradient row
@@ -264,31 +265,29 @@ def ssim_fused(x, y, taps, bh, sh, want_x, want_y, chunk):
             while nm < sh[e - 1] + L:  # the batch's moment rows in: filter row nm along x into the ring
                 xr = x[p, nm]
                 yr = y[p, nm]
-                if r0 <= nm < r1:
-                    a = 0.0
-                    for j in range(W):
-                        a += abs(xr[j] - yr[j])
-                    l1_rows[p * H + nm] = a
+                a = 0.0
                 for j in range(W):
                     u = xr[j]
                     v = yr[j]
+                    a += abs(u - v)
                     s0[j] = u
                     s1[j] = v
-                    s2[j] = u * u
-                    s3[j] = v * v
-                    s4[j] = u * v
+                    s2[j] = u * u + v * v
+                    s3[j] = u * v
+                if r0 <= nm < r1:
+                    l1_rows[p * H + nm] = a
                 q = (nm - m0) % R
-                for c in range(5):
+                for c in range(4):
                     _row_stencil(src[c], hm[c, q], taps, W)
                     _ring_dup(hm[c], q)
                 nm += 1
-            for c in range(5):
+            for c in range(4):
                 for b in range(e - d):
                     _col_stencil(hm[c], m0, mom[c, b], bh, sh, d + b)
             for b in range(e - d):
                 dd = d + b
                 total = 0.0
-                mx_, my_, mxx, myy, mxy_ = mom[0, b], mom[1, b], mom[2, b], mom[3, b], mom[4, b]
+                mx_, my_, mss, mxy_ = mom[0, b], mom[1, b], mom[2, b], mom[3, b]
                 for j in range(W):
                     # in float64: the variances are small differences of large moments, and in float32 (with
                     # FMA contraction) SSIM(x, x) came out 1 + 3e-6
@@ -298,7 +297,7 @@ def ssim_fused(x, y, taps, bh, sh, want_x, want_y, chunk):
                     a1 = 2.0 * mxy + C1
                     a2 = 2.0 * (np.float64(mxy_[j]) - mxy) + C2
                     b1 = mx * mx + my * my + C1
-                    b2 = (np.float64(mxx[j]) - mx * mx) + (np.float64(myy[j]) - my * my) + C2
+                    b2 = np.float64(mss[j]) - (mx * mx + my * my) + C2
                     inv_d = 1.0 / (b1 * b2)  # one division: 1/b1 and 1/b2 follow from it
                     sv = a1 * a2 * inv_d
                     total += sv
@@ -308,7 +307,7 @@ def ssim_fused(x, y, taps, bh, sh, want_x, want_y, chunk):
                         qq = 2.0 * (a2 - a1) * inv_d
                         s0[j] = qq * my + 2.0 * mx * diff  # dS/dmu_x
                         s1[j] = qq * mx + 2.0 * my * diff  # dS/dmu_y
-                        s2[j] = -s_b2  # dS/dE[x^2] = dS/dE[y^2]
+                        s2[j] = -s_b2  # dS/dE[x^2 + y^2]
                         s3[j] = 2.0 * a1 * inv_d  # dS/dE[xy]
                 if r0 <= dd < r1:
                     row_sums[p * H + dd] = total
@@ -396,9 +395,9 @@ def separable_filter(src, src2, taps, mode, bh, sh, chunk):
         nm = m0
         for i in range(r0, r1):
             while nm < sh[i] + L:
-                q = (nm - m0) % L
-                _row_filter(img[nm], ring[q], taps, mode, pad, tmp)
-                _ring_dup(ring, q)
+                k = (nm - m0) % L
+                _row_filter(img[nm], ring[k], taps, mode, pad, tmp)
+                _ring_dup(ring, k)
                 nm += 1
             _col_stencil(ring, m0, dst[i], bh, sh, i)
     return out, out2
