@@ -109,16 +109,19 @@ class PartTimer:
         self.cpu_seconds = dict.fromkeys(PARTS, 0.0)  # process CPU time (all threads) inside each part
         self.faults = dict.fromkeys(PARTS, 0)  # minor page faults inside each part (fresh memory touched)
         self.on = False
+        self._depth = 0  # nested timed calls (a timed Function calling a timed kernel helper) count once, outermost
         self._undo = []
 
     def _timed(self, part, fn):
         def wrapper(*a, **k):
-            if not self.on:
+            if not self.on or self._depth:
                 return fn(*a, **k)
             t0, c0, f0 = time.perf_counter(), time.process_time(), _minflt()
+            self._depth += 1
             try:
                 return fn(*a, **k)
             finally:
+                self._depth -= 1
                 self.seconds[part] += time.perf_counter() - t0
                 self.cpu_seconds[part] += time.process_time() - c0
                 self.faults[part] += _minflt() - f0
@@ -158,6 +161,10 @@ class PartTimer:
         if filt is not None and hasattr(filt, "GaussianBlurCPU"):
             self.patch(filt.GaussianBlurCPU, "forward", "blur")
             self.patch(filt.GaussianBlurCPU, "backward", "blur")
+            # the fused blur + L1 + SSIM Function: its kernel calls (its Python glue lands in "other"); the
+            # backward's one kernel, the transposed blur of the L1 + SSIM gradient formed on the way in, is "blur"
+            self.patch(filt, "_ssim_kernel", "SSIM")
+            self.patch(filt, "_blur_kernel", "blur")
         else:  # a version without the blur Function: time the forward call; its backward lands in "other"
             self.patch(mod("splatflow.train.loop"), "gaussian_blur", "blur")
         for opt in trainer.optimizers.values():

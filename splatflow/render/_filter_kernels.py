@@ -363,11 +363,16 @@ def add_sign_grad(g, x, y, a, b):
 # -- the training blur ------------------------------------------------------------------------------------------
 
 @nb.njit(parallel=True, cache=True, fastmath=True)
-def separable_filter(src, src2, taps, mode, bh, sh, chunk):
+def separable_filter(src, src2, taps, mode, bh, sh, chunk, lx, ly, a, b):
     """``out[p] = Mh @ src[p] @ Mw^T`` for every plane of ``src [P, H, W]`` and of ``src2 [P2, H, W]`` (may
     have no planes): the row filter ``taps`` with padding ``mode`` (``REFLECT``, or ``REFLECT_T`` with the taps
     reversed for the transpose), then the band ``(bh, sh)`` down each column. With the transposed band and
     ``REFLECT_T`` this is the backward of the same filter (the two axes commute). Returns ``(out, out2)``.
+
+    When ``lx`` has planes (``lx``, ``ly`` shaped as ``src``), ``src`` stands for ``a * src + b * sign(lx - ly)``,
+    formed row by row as it is read: the gradient of ``a * sum(SSIM map) + b * sum|lx - ly|`` of the blurred
+    images (``src`` from :func:`ssim_fused`) on its way back through the blur, without that image going through
+    memory.
 
     One parallel loop over chunks of ``chunk`` rows of a plane of either stack (render and target go through one
     loop, so the threads meet once per call: on a shared machine every parallel loop waits for its slowest
@@ -377,13 +382,19 @@ def separable_filter(src, src2, taps, mode, bh, sh, chunk):
     L = bh.shape[1]
     r = (taps.shape[0] - 1) // 2
     nc = (H + chunk - 1) // chunk
+    combine = lx.shape[0] > 0
+    one = np.array([1.0], dtype=src.dtype)[0]  # typed constants: the rows stay in the storage type
+    zero = one - one
+    ta = np.array([a], dtype=src.dtype)[0]
+    tb = np.array([b], dtype=src.dtype)[0]
     out = np.empty((P, H, W), dtype=src.dtype)
     out2 = np.empty((P2, H, W), dtype=src.dtype)
     for t in nb.prange((P + P2) * nc):
         q = t // nc
         r0 = (t - q * nc) * chunk
         r1 = min(H, r0 + chunk)
-        if q < P:
+        own = q < P
+        if own:
             img = src[q]
             dst = out[q]
         else:
@@ -392,11 +403,19 @@ def separable_filter(src, src2, taps, mode, bh, sh, chunk):
         m0 = sh[r0]
         ring = np.empty((2 * L, W), dtype=src.dtype)
         pad, tmp = _pad_buffer(W, r, mode, src)
+        row = np.empty(W if combine else 0, dtype=src.dtype)
         nm = m0
         for i in range(r0, r1):
             while nm < sh[i] + L:
                 k = (nm - m0) % L
-                _row_filter(img[nm], ring[k], taps, mode, pad, tmp)
+                if combine and own:
+                    g, u, v = img[nm], lx[q, nm], ly[q, nm]
+                    for j in range(W):
+                        d = u[j] - v[j]
+                        row[j] = ta * g[j] + tb * ((one if d > 0 else zero) - (one if d < 0 else zero))
+                    _row_filter(row, ring[k], taps, mode, pad, tmp)
+                else:
+                    _row_filter(img[nm], ring[k], taps, mode, pad, tmp)
                 _ring_dup(ring, k)
                 nm += 1
             _col_stencil(ring, m0, dst[i], bh, sh, i)
