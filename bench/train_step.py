@@ -12,7 +12,8 @@ machine is shared).
 
 Each case also prints where the step's time goes: the library's hot functions are wrapped with timers for the
 timed steps (rasterize forward/backward, projection forward + backward, SSIM forward + backward, blur forward +
-backward, Adam, strategy); "other" is the rest of the step (Python, image window and target, L1, autograd
+backward, Adam, strategy; where blur, L1 and SSIM are one fused Function, its kernel calls: the blur's, with
+reading the render and, in the backward, forming the L1 + SSIM gradient, as "blur", SSIM's as "SSIM"); "other" is the rest of the step (Python, image window and target, L1, autograd
 glue). Each part is given in wall time and in process CPU time (all threads; on a shared machine the steadier of
 the two), and the step's minor page faults (fresh memory touched: allocations the allocator returned to the
 system and took back) with the system CPU time they cost. Parts that a given code version does not route through a wrapped function (e.g. a blur done by plain
@@ -165,6 +166,7 @@ class PartTimer:
             # backward's one kernel, the transposed blur of the L1 + SSIM gradient formed on the way in, is "blur"
             self.patch(filt, "_ssim_kernel", "SSIM")
             self.patch(filt, "_blur_kernel", "blur")
+            self.patch(filt, "_planes", "blur")  # its inputs as contiguous planes (a copy of a strided render)
         else:  # a version without the blur Function: time the forward call; its backward lands in "other"
             self.patch(mod("splatflow.train.loop"), "gaussian_blur", "blur")
         for opt in trainer.optimizers.values():

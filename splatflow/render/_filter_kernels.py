@@ -18,11 +18,12 @@ along the row whatever its coefficients, so the border rows cost no more than th
 
 Images are ``[P, H, W]`` planes (batch x channels flattened), float32 or float64 (one compiled specialisation
 each). Each kernel is one parallel loop over chunks of rows of one plane. A chunk streams its rows (its own plus
-the filter's reach) through ring buffers of ``L`` row-filtered rows: each input row is filtered along x once,
-each output row is the column stencil over the ring as soon as its ``L`` rows are in, so the working set is
-a few dozen rows (in L2 cache) whatever the chunk's height, and a chunk writes only its own output rows, so the
-loops are race free. Taller chunks cost less: the rows in the filter's reach of a chunk are filtered by both
-chunks that need them.
+the filter's reach) through ring buffers of the last ``L`` (SSIM: ``L + 3``) row-filtered rows, each stored
+twice so that any ``L`` consecutive ones are one block (see :func:`_col_stencil`): each input row is filtered
+along x once, each output row is the column stencil over the ring as soon as its rows are in, so the working
+set is a few dozen rows (in L2 cache) whatever the chunk's height, and a chunk writes only its own output rows,
+so the loops are race free. Taller chunks cost less: the rows in the filter's reach of a chunk are filtered by
+both chunks that need them (:func:`splatflow.render.filters.chunk_rows` picks the height).
 """
 
 from __future__ import annotations

@@ -118,8 +118,8 @@ def l1_ssim(x: Tensor, y: Tensor, blur_sigma: float = 0.0) -> tuple[Tensor, Tens
     if x.device.type == "cpu" and y.device.type == "cpu":
         from .filters import blurred_l1_ssim_cpu, ssim_l1_cpu
 
-        s, l1 = (blurred_l1_ssim_cpu(x.contiguous(), y.contiguous(), blur_sigma) if blur else
-                 ssim_l1_cpu(x.contiguous(), y.contiguous()))
+        # (the blur reads its inputs through a contiguous copy only where needed, inside its timed kernel call)
+        s, l1 = (blurred_l1_ssim_cpu(x, y, blur_sigma) if blur else ssim_l1_cpu(x.contiguous(), y.contiguous()))
         return l1, s
     if blur:  # the torch blur for other devices lives with the schedule that drives it
         from splatflow.train.schedules import gaussian_blur_pair
