@@ -12,8 +12,8 @@ machine is shared).
 
 Each case also prints where the step's time goes: the library's hot functions are wrapped with timers for the
 timed steps (rasterize forward/backward, projection forward + backward, SSIM forward + backward, blur forward +
-backward, Adam, strategy; where blur, L1 and SSIM are one fused Function, its kernel calls: the blur's, with
-reading the render and, in the backward, forming the L1 + SSIM gradient, as "blur", SSIM's as "SSIM"); "other" is the rest of the step (Python, image window and target, L1, autograd
+backward, Adam, strategy; where blur, L1 and SSIM are one fused Function, its SSIM kernel call is "SSIM" and
+the rest of it "blur"; a timed call inside another counts to its own part only); "other" is the rest of the step (Python, image window and target, L1, autograd
 glue). Each part is given in wall time and in process CPU time (all threads; on a shared machine the steadier of
 the two), and the step's minor page faults (fresh memory touched: allocations the allocator returned to the
 system and took back) with the system CPU time they cost. Parts that a given code version does not route through a wrapped function (e.g. a blur done by plain
@@ -110,22 +110,30 @@ class PartTimer:
         self.cpu_seconds = dict.fromkeys(PARTS, 0.0)  # process CPU time (all threads) inside each part
         self.faults = dict.fromkeys(PARTS, 0)  # minor page faults inside each part (fresh memory touched)
         self.on = False
-        self._depth = 0  # nested timed calls (a timed Function calling a timed kernel helper) count once, outermost
+        self._stack = []  # the timed calls in progress
         self._undo = []
 
     def _timed(self, part, fn):
         def wrapper(*a, **k):
-            if not self.on or self._depth:
+            if not self.on:
                 return fn(*a, **k)
-            t0, c0, f0 = time.perf_counter(), time.process_time(), _minflt()
-            self._depth += 1
+            # exclusive times: a timed call inside a timed call (a kernel helper inside a Function) counts to its
+            # own part, the outer one keeps the rest
+            frame = [time.perf_counter(), time.process_time(), _minflt(), 0.0, 0.0, 0]
+            self._stack.append(frame)
             try:
                 return fn(*a, **k)
             finally:
-                self._depth -= 1
-                self.seconds[part] += time.perf_counter() - t0
-                self.cpu_seconds[part] += time.process_time() - c0
-                self.faults[part] += _minflt() - f0
+                self._stack.pop()
+                w, c, f = time.perf_counter() - frame[0], time.process_time() - frame[1], _minflt() - frame[2]
+                self.seconds[part] += w - frame[3]
+                self.cpu_seconds[part] += c - frame[4]
+                self.faults[part] += f - frame[5]
+                if self._stack:
+                    outer = self._stack[-1]
+                    outer[3] += w
+                    outer[4] += c
+                    outer[5] += f
         return wrapper
 
     def patch(self, owner, attr, part, static=False):
@@ -162,11 +170,11 @@ class PartTimer:
         if filt is not None and hasattr(filt, "GaussianBlurCPU"):
             self.patch(filt.GaussianBlurCPU, "forward", "blur")
             self.patch(filt.GaussianBlurCPU, "backward", "blur")
-            # the fused blur + L1 + SSIM Function: its kernel calls (its Python glue lands in "other"); the
-            # backward's one kernel, the transposed blur of the L1 + SSIM gradient formed on the way in, is "blur"
+            # the fused blur + L1 + SSIM Function: its SSIM kernel is "SSIM", the rest (reading the render, the
+            # blur, the backward's transposed blur of the L1 + SSIM gradient formed on the way in, glue) "blur"
+            self.patch(getattr(filt, "BlurredL1SSIMCPU", None), "forward", "blur")
+            self.patch(getattr(filt, "BlurredL1SSIMCPU", None), "backward", "blur")
             self.patch(filt, "_ssim_kernel", "SSIM")
-            self.patch(filt, "_blur_kernel", "blur")
-            self.patch(filt, "_planes", "blur")  # its inputs as contiguous planes (a copy of a strided render)
         else:  # a version without the blur Function: time the forward call; its backward lands in "other"
             self.patch(mod("splatflow.train.loop"), "gaussian_blur", "blur")
         for opt in trainer.optimizers.values():
