@@ -118,6 +118,18 @@ def _blur_kernel(a: np.ndarray, b: np.ndarray | None, sigma_px: float, radius: i
                               empty if lx is None else lx, empty if ly is None else ly, float(ga), float(gb))
 
 
+def _means(row_sums: np.ndarray, l1_rows: np.ndarray, x: Tensor) -> tuple[Tensor, Tensor]:
+    """The kernels' per-row sums of the SSIM map and of ``|x - y|`` as the two means, on ``x``'s device."""
+    n = x.numel()
+    return (torch.tensor(float(row_sums.sum()) / n, dtype=x.dtype, device=x.device),
+            torch.tensor(float(l1_rows.sum()) / n, dtype=x.dtype, device=x.device))
+
+
+def _no_grad_pass(name: str, entry: str) -> RuntimeError:
+    return RuntimeError(f"{name}.apply(..., with_grad=False) was differentiated; call it with with_grad=True "
+                        f"({entry} does so whenever grad mode is on)")
+
+
 class SSIMCPU(torch.autograd.Function):
     """Mean SSIM and mean absolute difference (L1) of ``[B, C, H, W]`` CPU tensors (SSIM: 11x11 Gaussian window,
     sigma 1.5, zero padding), with exact gradients. ``apply(x, y, with_grad) -> (ssim, l1)``: with
@@ -136,9 +148,7 @@ class SSIMCPU(torch.autograd.Function):
         ctx.arrays = (xn.reshape(-1), yn.reshape(-1), gx.reshape(-1), gy.reshape(-1))
         ctx.with_grad = bool(with_grad)
         ctx.shape = (B, C, H, W)
-        n = x.numel()
-        return (torch.tensor(float(row_sums.sum()) / n, dtype=x.dtype, device=x.device),
-                torch.tensor(float(l1_rows.sum()) / n, dtype=x.dtype, device=x.device))
+        return _means(row_sums, l1_rows, x)
 
     @staticmethod
     @once_differentiable
@@ -146,8 +156,7 @@ class SSIMCPU(torch.autograd.Function):
         from . import _filter_kernels as K
 
         if not ctx.with_grad:
-            raise RuntimeError("SSIMCPU.apply(x, y, with_grad=False) was differentiated; call it with "
-                               "with_grad=True (splatflow.render.ssim.ssim does so whenever grad mode is on)")
+            raise _no_grad_pass("SSIMCPU", "splatflow.render.ssim.ssim")
         xf, yf, gx, gy = ctx.arrays
         n = xf.shape[0]
         a, b = float(g_ssim) / n, float(g_l1) / n
@@ -214,23 +223,19 @@ class BlurredL1SSIMCPU(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, y: Tensor, sigma_px: float, radius: int, with_grad: bool = True):
-        B, C, H, W = x.shape
         _dtype_name(x)
         xb, yb = _blur_kernel(_planes(x), _planes(y), sigma_px, radius, False)
         want = bool(with_grad and ctx.needs_input_grad[0])
         row_sums, l1_rows, gx, _ = _ssim_kernel(xb, yb, want, False)
         ctx.arrays = (xb, yb, gx) if want else None
         ctx.params = (float(sigma_px), int(radius), x.shape)
-        n = x.numel()
-        return (torch.tensor(float(row_sums.sum()) / n, dtype=x.dtype, device=x.device),
-                torch.tensor(float(l1_rows.sum()) / n, dtype=x.dtype, device=x.device))
+        return _means(row_sums, l1_rows, x)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g_ssim: Tensor, g_l1: Tensor):
         if ctx.arrays is None:
-            raise RuntimeError("BlurredL1SSIMCPU.apply(..., with_grad=False) was differentiated; call it with "
-                               "with_grad=True (splatflow.render.ssim.l1_ssim does so whenever grad mode is on)")
+            raise _no_grad_pass("BlurredL1SSIMCPU", "splatflow.render.ssim.l1_ssim")
         xb, yb, gx = ctx.arrays
         sigma_px, radius, shape = ctx.params
         n = gx.size
@@ -251,6 +256,9 @@ def blurred_l1_ssim_cpu(x: Tensor, y: Tensor, sigma_px: float) -> tuple[Tensor, 
     ``x`` needs a gradient (training: the render and its target), else the blur and SSIM as two steps."""
     if x.device.type != "cpu" or y.device.type != "cpu":
         raise ValueError(f"blurred_l1_ssim_cpu needs CPU tensors, got {x.device} and {y.device}")
+    if x.shape != y.shape or x.dtype != y.dtype or x.dim() != 4:
+        raise ValueError(f"blurred_l1_ssim_cpu needs two [B, C, H, W] tensors of one shape and dtype, got "
+                         f"{tuple(x.shape)} {x.dtype} and {tuple(y.shape)} {y.dtype}")
     H, W = x.shape[-2:]
     radius = blur_radius(sigma_px, W, H)
     if _blur_is_identity(x, sigma_px, radius):
