@@ -12,9 +12,11 @@ machine is shared).
 
 Each case also prints where the step's time goes: the library's hot functions are wrapped with timers for the
 timed steps (rasterize forward/backward, projection forward + backward, SSIM forward + backward, blur forward +
-backward, Adam, strategy); "other" is the rest of the step (Python, image window and target, L1, autograd
+backward, Adam, strategy; where blur, L1 and SSIM are one fused Function, its SSIM kernel call is "SSIM" and
+the rest of it "blur"; a timed call inside another counts to its own part only); "other" is the rest of the step (Python, image window and target, L1, autograd
 glue). Each part is given in wall time and in process CPU time (all threads; on a shared machine the steadier of
-the two). Parts that a given code version does not route through a wrapped function (e.g. a blur done by plain
+the two), and the step's minor page faults (fresh memory touched: allocations the allocator returned to the
+system and took back) with the system CPU time they cost. Parts that a given code version does not route through a wrapped function (e.g. a blur done by plain
 torch ops, whose backward autograd runs itself) land in "other".
 
     python bench/train_step.py [--threads 2] [--steps 30] [--blur-sigma 2.4] [--json PATH] [--profile]
@@ -91,6 +93,12 @@ def make_case(tmp: Path, n: int, w: int, h: int, n_views: int = 4, seed: int = 0
     return _Scene(views, views, [], pts, np.zeros_like(pts, dtype=np.uint8)), splats
 
 
+def _minflt() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 PARTS = ("rasterize fwd", "rasterize bwd", "projection", "SSIM", "blur", "Adam", "strategy")
 
 
@@ -100,19 +108,32 @@ class PartTimer:
     def __init__(self):
         self.seconds = dict.fromkeys(PARTS, 0.0)
         self.cpu_seconds = dict.fromkeys(PARTS, 0.0)  # process CPU time (all threads) inside each part
+        self.faults = dict.fromkeys(PARTS, 0)  # minor page faults inside each part (fresh memory touched)
         self.on = False
+        self._stack = []  # the timed calls in progress
         self._undo = []
 
     def _timed(self, part, fn):
         def wrapper(*a, **k):
             if not self.on:
                 return fn(*a, **k)
-            t0, c0 = time.perf_counter(), time.process_time()
+            # exclusive times: a timed call inside a timed call (a kernel helper inside a Function) counts to its
+            # own part, the outer one keeps the rest
+            frame = [time.perf_counter(), time.process_time(), _minflt(), 0.0, 0.0, 0]
+            self._stack.append(frame)
             try:
                 return fn(*a, **k)
             finally:
-                self.seconds[part] += time.perf_counter() - t0
-                self.cpu_seconds[part] += time.process_time() - c0
+                self._stack.pop()
+                w, c, f = time.perf_counter() - frame[0], time.process_time() - frame[1], _minflt() - frame[2]
+                self.seconds[part] += w - frame[3]
+                self.cpu_seconds[part] += c - frame[4]
+                self.faults[part] += f - frame[5]
+                if self._stack:
+                    outer = self._stack[-1]
+                    outer[3] += w
+                    outer[4] += c
+                    outer[5] += f
         return wrapper
 
     def patch(self, owner, attr, part, static=False):
@@ -149,6 +170,11 @@ class PartTimer:
         if filt is not None and hasattr(filt, "GaussianBlurCPU"):
             self.patch(filt.GaussianBlurCPU, "forward", "blur")
             self.patch(filt.GaussianBlurCPU, "backward", "blur")
+            # the fused blur + L1 + SSIM Function: its SSIM kernel is "SSIM", the rest (reading the render, the
+            # blur, the backward's transposed blur of the L1 + SSIM gradient formed on the way in, glue) "blur"
+            self.patch(getattr(filt, "BlurredL1SSIMCPU", None), "forward", "blur")
+            self.patch(getattr(filt, "BlurredL1SSIMCPU", None), "backward", "blur")
+            self.patch(filt, "_ssim_kernel", "SSIM")
         else:  # a version without the blur Function: time the forward call; its backward lands in "other"
             self.patch(mod("splatflow.train.loop"), "gaussian_blur", "blur")
         for opt in trainer.optimizers.values():
@@ -191,12 +217,12 @@ def bench_case(name, n, w, h, steps, tmp, profile=False, blur_sigma=2.4):
 
         prof = cProfile.Profile()
         prof.enable()
-    cpu0 = os.times()
+    cpu0, flt0 = os.times(), _minflt()
     for _ in range(steps):
         t0 = time.perf_counter()
         tr.train_step()
         times.append(time.perf_counter() - t0)
-    cpu1 = os.times()
+    cpu1, flt1 = os.times(), _minflt()
     parts.on = False
     parts.uninstall()
     # process CPU time per step: on a shared machine the wall time also counts other jobs; CPU time / threads
@@ -211,7 +237,10 @@ def bench_case(name, n, w, h, steps, tmp, profile=False, blur_sigma=2.4):
             "step_ms": round(1000 * statistics.median(times), 2),
             "step_ms_min": round(1000 * min(times), 2), "cpu_ms": round(cpu_ms, 2), "blur_sigma": blur_sigma,
             "parts_ms": _shares(parts.seconds, sum(times), steps),
-            "parts_cpu_ms": _shares(parts.cpu_seconds, cpu_ms * steps / 1000, steps)}
+            "parts_cpu_ms": _shares(parts.cpu_seconds, cpu_ms * steps / 1000, steps),
+            "sys_ms": round(1000 * (cpu1.system - cpu0.system) / steps, 2),
+            "faults": {**{k: round(v / steps) for k, v in parts.faults.items()},
+                       "step": round((flt1 - flt0) / steps)}}
 
 
 def _shares(seconds: dict, total_s: float, steps: int) -> dict:
@@ -250,6 +279,9 @@ def main(argv=None):
                 mean = sum(pm.values())
                 print(f"        {label}: " + ", ".join(f"{k} {v:.1f} ms ({100 * v / mean:.0f}%)" for k, v in pm.items())
                       + f"  [mean step {mean:.1f} ms]", flush=True)
+            # page faults: each is a fresh page of memory touched (kernel time, in the CPU figures above)
+            print(f"        faults per step {r['faults']['step']} (system CPU {r['sys_ms']:.1f} ms/step): "
+                  + ", ".join(f"{k} {v}" for k, v in r["faults"].items() if k != "step"), flush=True)
     load1 = os.getloadavg()[0]
     print(f"threads={args.threads} torch={torch.__version__} load average before/after: {load0:.2f}/{load1:.2f} "
           f"on {os.cpu_count()} cores")

@@ -256,3 +256,60 @@ def test_blur_pair_equals_two_blurs():
     assert gaussian_blur_pair(x, y, 0.0) == (x, y)
     m = torch.empty(1, 3, 20, 24, device="meta")
     assert all(t.device.type == "meta" for t in gaussian_blur_pair(m, m, 1.5))
+
+
+def test_blur_skipped_only_where_it_is_the_identity_in_float32():
+    """Below ~0.166 px the float32 blur is the identity to within float32 resolution, and is skipped (the input
+    itself comes back); just above it the blur runs. Either way it agrees with the torch path."""
+    x, y = _pair((1, 3, 23, 29), torch.float32, 15)
+    for sigma, skipped in ((0.06, True), (0.15, True), (0.166, True), (0.17, False), (0.3, False)):
+        a = gaussian_blur(x, sigma)
+        assert (a is x) == skipped, sigma
+        # skipped: within a float32 rounding step of the real blur; run: the usual float32 tolerance
+        torch.testing.assert_close(a, gaussian_blur_torch(x, sigma), rtol=0, atol=1.2e-7 if skipped else 2e-6)
+        pa, pb = gaussian_blur_pair(x, y, sigma)
+        assert (pa is x and pb is y) == skipped
+    # float64 (gradient checks) always takes the exact filter
+    x64 = x.double()
+    assert gaussian_blur(x64, 0.1) is not x64
+
+
+@pytest.mark.parametrize("shape,sigma", [((1, 3, 31, 45), 2.4), ((1, 3, 17, 23), 0.7), ((2, 1, 12, 9), 1.3)])
+def test_blurred_l1_ssim_equals_blur_then_l1_ssim(shape, sigma):
+    """The fused CPU path (blur, SSIM and L1 in two kernel passes forward and one backward) equals blurring both
+    images and taking both terms (the torch path), values and gradients, for either weighting of the terms."""
+    from splatflow.render.ssim import l1_ssim
+
+    x, y = _pair(shape, torch.float32, 16)
+    for lam in (0.2, 1.0, 0.0):
+        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+        l1a, sa = l1_ssim(x1, y, blur_sigma=sigma)
+        xb, yb = gaussian_blur_torch(x2, sigma), gaussian_blur_torch(y, sigma)
+        l1b, sb = (xb - yb).abs().mean(), ssim_torch(xb, yb)
+        torch.testing.assert_close(l1a, l1b, rtol=2e-6, atol=2e-6)
+        torch.testing.assert_close(sa, sb, rtol=2e-6, atol=2e-6)
+        ((1 - lam) * l1a + lam * (1 - sa)).backward()
+        ((1 - lam) * l1b + lam * (1 - sb)).backward()
+        torch.testing.assert_close(x1.grad, x2.grad, rtol=0, atol=5e-5 * float(x2.grad.abs().max()))
+    # a target that needs a gradient too takes the two-step path, with both gradients
+    x1, y1 = x.clone().requires_grad_(), y.clone().requires_grad_()
+    x2, y2 = x.clone().requires_grad_(), y.clone().requires_grad_()
+    l1a, sa = l1_ssim(x1, y1, blur_sigma=sigma)
+    xb, yb = gaussian_blur_torch(x2, sigma), gaussian_blur_torch(y2, sigma)
+    (l1a + sa).backward()
+    ((xb - yb).abs().mean() + ssim_torch(xb, yb)).backward()
+    torch.testing.assert_close(y1.grad, y2.grad, rtol=0, atol=5e-5 * float(y2.grad.abs().max()))
+    # no grad mode: values only
+    with torch.no_grad():
+        torch.testing.assert_close(l1_ssim(x, y, blur_sigma=sigma)[1], sb.detach(), rtol=2e-6, atol=2e-6)
+    m = torch.empty(1, 3, 20, 24, device="meta")
+    assert all(t.device.type == "meta" for t in l1_ssim(m, m, blur_sigma=sigma))
+
+
+def test_blurred_l1_ssim_gradcheck_float64():
+    from splatflow.render.filters import BlurredL1SSIMCPU
+
+    x, y = _pair((1, 2, 11, 13), torch.float64, 17)
+    x.requires_grad_()
+    assert torch.autograd.gradcheck(lambda t: BlurredL1SSIMCPU.apply(t, y, 1.3, 4, True), (x,))
+    assert torch.autograd.gradcheck(lambda t: BlurredL1SSIMCPU.apply(t, y, 0.6, 2, True), (x,))

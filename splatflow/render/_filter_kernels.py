@@ -5,16 +5,25 @@ Why here and not ``torch.conv2d``: the speed of torch's CPU convolution depends 
 (a depthwise 1-D convolution took 4x the rasterizer's time on one machine and a fraction on another). These loops
 are plain multiply-adds over contiguous rows, which LLVM vectorises the same way everywhere.
 
-Representation of a 1-D filter along an axis of length ``n``: a banded matrix ``M [n, n]`` (``out = M @ in``)
-stored as ``band [n, L]`` and ``start [n]`` with ``out[j] = sum_k band[j, k] * in[start[j] + k]``. Zero padding
-and reflect padding both fit (built in :mod:`.filters`), and so do their transposes (the backward passes), with
-the same ``start``. Rows ``lo <= j < hi`` are the plain stencil (``start[j] = j - (L - 1) // 2``, taps equal to
-``band[lo]``); they take the vectorised path, the few rows near the borders the general one.
+Along a row (x) a filter is its taps run over a padded copy of the row: zeros or the mirrored pixels (reflect)
+written once around the row, so every output pixel takes the same vectorised stencil (no border branches; a
+border column done on its own costs as much as a whole vector of interior ones). The transpose of the
+reflect-padded filter (the blur's backward) is the reversed taps over the zero-padded row, folded back onto the
+pixels the padding mirrored.
+
+Down the columns (y) a filter is a banded matrix ``M [n, n]`` (``out = M @ in``) stored as ``band [n, L]`` and
+``start [n]`` with ``out[i] = sum_k band[i, k] * in[start[i] + k]`` (built in :mod:`.filters`, zero or reflect
+padding, or their transposes). Each output row is then one stencil over ``L`` whole input rows, vectorised
+along the row whatever its coefficients, so the border rows cost no more than the others.
 
 Images are ``[P, H, W]`` planes (batch x channels flattened), float32 or float64 (one compiled specialisation
-each). Each kernel is one parallel loop over chunks of rows of one plane; a chunk reads its rows plus the filter's
-reach, keeps the intermediate rows in its own local buffers and writes only its own output rows, so the loops are
-race free.
+each). Each kernel is one parallel loop over chunks of rows of one plane. A chunk streams its rows (its own plus
+the filter's reach) through ring buffers of the last ``L`` (SSIM: ``L + 3``) row-filtered rows, each stored
+twice so that any ``L`` consecutive ones are one block (see :func:`_col_stencil`): each input row is filtered
+along x once, each output row is the column stencil over the ring as soon as its rows are in, so the working
+set is a few dozen rows (in L2 cache) whatever the chunk's height, and a chunk writes only its own output rows,
+so the loops are race free. Taller chunks cost less: the rows in the filter's reach of a chunk are filtered by
+both chunks that need them (:func:`splatflow.render.filters.chunk_rows` picks the height).
 """
 
 from __future__ import annotations
@@ -22,13 +31,17 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
+ZERO, REFLECT, REFLECT_T = 0, 1, 2  # padding modes of the row filter (REFLECT_T: transpose of REFLECT)
+BATCH_ROWS = 4  # output rows per batch of the SSIM kernel's column stencils (see there)
+
 
 @nb.njit(cache=True)
 def build_band(n, taps, reflect, transpose):
     """The band ``(band [n, L] float64, start [n], lo, hi)`` of the filter ``taps`` (odd length ``2r + 1``) along
     an axis of length ``n`` with zero (``reflect`` False) or reflect padding, or of its transpose (see
-    :func:`splatflow.render.filters.band_matrix`). Built here rather than with numpy because the training blur's
-    sigma changes every step (numpy took ~0.25 ms per band, mostly call overhead)."""
+    :func:`splatflow.render.filters.band_matrix`); rows ``lo <= j < hi`` are the plain stencil. Built here rather
+    than with numpy because the training blur's sigma changes every step (numpy took ~0.25 ms per band, mostly
+    call overhead)."""
     L0 = taps.shape[0]
     r = (L0 - 1) // 2
     L = min(L0, n)
@@ -73,11 +86,15 @@ def build_band(n, taps, reflect, transpose):
     return band, start, lo, hi
 
 
+# -- the two stencils -------------------------------------------------------------------------------------------
+# Both are called with a literal tap count ``L`` through :func:`_unrolled`, so LLVM unrolls the tap loop and
+# vectorises the loop over the row (5x faster than a loop over a run-time length). Indices are plain ``range``
+# counters: an index with a possibly negative offset makes numba test for wrap-around on every access, which stops
+# vectorisation (13x slower).
+
 @nb.njit(cache=True, fastmath=True)
 def _hconv(inp, out, w, m, L):
-    """``out[j] = sum_k w[k] inp[j + k]`` for ``j < m``. Called with a literal ``L`` (see :func:`_hconv_n`), the
-    tap loop is unrolled and the outer loop vectorised; indices are plain ``range`` counters, since an index with
-    a possibly negative offset makes numba test for wrap-around on every access and stops vectorisation."""
+    """Along a row: ``out[j] = sum_k w[k] inp[j + k]`` for ``j < m``."""
     for j in range(m):
         acc = w[0] * inp[j]
         for k in range(1, L):
@@ -86,8 +103,8 @@ def _hconv(inp, out, w, m, L):
 
 
 @nb.njit(cache=True, fastmath=True)
-def _vconv(blk, out, w, m, L):
-    """``out[j] = sum_k w[k] blk[k, j]`` for ``j < m`` (rows ``blk[k]`` of one column block)."""
+def _vconv(blk, unused, out, w, m, L):
+    """Down the rows of a block: ``out[j] = sum_k w[k] blk[k, j]`` for ``j < m``."""
     for j in range(m):
         acc = w[0] * blk[0, j]
         for k in range(1, L):
@@ -95,105 +112,129 @@ def _vconv(blk, out, w, m, L):
         out[j] = acc
 
 
-@nb.njit(cache=True, fastmath=True)
-def _hconv_n(inp, out, w, m, L):
-    # one unrolled copy per common filter length (SSIM: 11; training blur up to sigma 2.67 px: 3..17), measured
-    # 5x faster than a loop over a run-time length
+@nb.njit(cache=True, fastmath=True, inline="always")
+def _unrolled(conv, a, b, c, d, e, L):
+    """``conv(a, b, c, d, e, L)`` with ``L`` a literal for the common tap counts (SSIM: 11; training blur up to
+    sigma 2.67 px: 3..17)."""
     if L == 11:
-        _hconv(inp, out, w, m, 11)
+        conv(a, b, c, d, e, 11)
     elif L == 3:
-        _hconv(inp, out, w, m, 3)
+        conv(a, b, c, d, e, 3)
     elif L == 5:
-        _hconv(inp, out, w, m, 5)
+        conv(a, b, c, d, e, 5)
     elif L == 7:
-        _hconv(inp, out, w, m, 7)
+        conv(a, b, c, d, e, 7)
     elif L == 9:
-        _hconv(inp, out, w, m, 9)
+        conv(a, b, c, d, e, 9)
     elif L == 13:
-        _hconv(inp, out, w, m, 13)
+        conv(a, b, c, d, e, 13)
     elif L == 15:
-        _hconv(inp, out, w, m, 15)
+        conv(a, b, c, d, e, 15)
     elif L == 17:
-        _hconv(inp, out, w, m, 17)
+        conv(a, b, c, d, e, 17)
     else:
-        _hconv(inp, out, w, m, L)
+        conv(a, b, c, d, e, L)
 
 
 @nb.njit(cache=True, fastmath=True)
-def _vconv_n(blk, out, w, m, L):
-    if L == 11:
-        _vconv(blk, out, w, m, 11)
-    elif L == 3:
-        _vconv(blk, out, w, m, 3)
-    elif L == 5:
-        _vconv(blk, out, w, m, 5)
-    elif L == 7:
-        _vconv(blk, out, w, m, 7)
-    elif L == 9:
-        _vconv(blk, out, w, m, 9)
-    elif L == 13:
-        _vconv(blk, out, w, m, 13)
-    elif L == 15:
-        _vconv(blk, out, w, m, 15)
-    elif L == 17:
-        _vconv(blk, out, w, m, 17)
-    else:
-        _vconv(blk, out, w, m, L)
+def _h5(inp, out, w, m, unused, L):
+    _hconv(inp, out, w, m, L)
 
 
-@nb.njit(cache=True, fastmath=True)
-def _row_filter(src, dst, band, start, lo, hi):
-    """``dst = M @ src`` for one row (1-D arrays of length n) with the banded ``M`` described above."""
-    n = dst.shape[0]
+@nb.njit(cache=True, fastmath=True, inline="always")
+def _row_stencil(pad, out, taps, m):
+    """``out[j] = sum_k taps[k] pad[j + k]`` for ``j < m``."""
+    _unrolled(_h5, pad, out, taps, m, 0, taps.shape[0])
+
+
+@nb.njit(cache=True, fastmath=True, inline="always")
+def _col_stencil(ring, row0, out, band, start, i):
+    """Row ``i`` of ``M @ rows`` from a ring of ``2 R`` rows (``R >= L``) where row ``q`` sits at
+    ``(q - row0) % R`` and again ``R`` slots further (see :func:`_ring_dup`), so any ``L`` consecutive rows are
+    one contiguous block: with a ring indexed modulo ``R`` inside the loop LLVM did not vectorise (the ``L``
+    separate row pointers exceed its runtime alias checks; 45x slower)."""
     L = band.shape[1]
-    if hi <= lo:
-        lo = hi = n
-    for j in range(lo):
-        _band_row(src, dst, band, start, j, L)
-    for j in range(hi, n):
-        _band_row(src, dst, band, start, j, L)
-    if hi > lo:
-        _hconv_n(src[start[lo]:], dst[lo:hi], band[lo], hi - lo, L)
+    b = (start[i] - row0) % (ring.shape[0] // 2)
+    _unrolled(_vconv, ring[b:b + L], 0, out, band[i], out.shape[0], L)
 
 
-@nb.njit(cache=True)
-def _band_row(src, dst, band, start, j, L):
-    acc = 0.0
-    inp = src[start[j]:start[j] + L]
-    for k in range(L):
-        acc += band[j, k] * inp[k]
-    dst[j] = acc
+@nb.njit(cache=True, fastmath=True, inline="always")
+def _ring_dup(ring, slot):
+    """Copy ring row ``slot < R`` to ``slot + R`` (the second copy of :func:`_col_stencil`'s ring)."""
+    a = ring[slot]
+    b = ring[slot + ring.shape[0] // 2]
+    for j in range(a.shape[0]):
+        b[j] = a[j]
 
 
-@nb.njit(cache=True, fastmath=True)
-def _col_filter(buf, row0, dst, band, start, i):
-    """Row ``i`` of ``M @ rows`` where ``buf[r - row0]`` holds row ``r`` (only the rows that row ``i`` reads)."""
-    L = band.shape[1]
-    s = start[i] - row0
-    _vconv_n(buf[s:s + L], dst, band[i], dst.shape[0], L)
+# -- row filters with padding -----------------------------------------------------------------------------------
 
+@nb.njit(cache=True, fastmath=True, inline="always")
+def _pad_buffer(W, r, mode, dtype_like):
+    """A zeroed padded-row buffer for :func:`_row_filter` (and its scratch row for the transpose)."""
+    if mode == REFLECT_T:
+        return np.zeros(W + 4 * r, dtype=dtype_like.dtype), np.empty(W + 2 * r, dtype=dtype_like.dtype)
+    return np.zeros(W + 2 * r, dtype=dtype_like.dtype), np.empty(0, dtype=dtype_like.dtype)
+
+
+@nb.njit(cache=True, fastmath=True, inline="always")
+def _row_filter(src, dst, taps, mode, pad, tmp):
+    """``dst`` = the filter ``taps`` (length ``2r + 1``) along the row ``src`` (length ``W``) with padding
+    ``mode``; ``pad`` and ``tmp`` from :func:`_pad_buffer` (their zero borders are never written)."""
+    W = src.shape[0]
+    r = (taps.shape[0] - 1) // 2
+    if mode == REFLECT_T:
+        # adjoint of "reflect-pad, then stencil": the (reversed) stencil over the row zero-padded by 2r gives
+        # the gradient of every padded position, then the mirrored ones are added back to their pixels
+        mid = pad[2 * r:2 * r + W]  # a slice, not an offset index: see the stencils' note on indices
+        for j in range(W):
+            mid[j] = src[j]
+        _row_stencil(pad, tmp, taps, W + 2 * r)
+        inner = tmp[r:r + W]
+        for j in range(W):
+            dst[j] = inner[j]
+        for q in range(1, r + 1):
+            dst[q] += tmp[r - q]
+            dst[W - 1 - q] += tmp[r + W - 1 + q]
+        return
+    mid = pad[r:r + W]
+    for j in range(W):
+        mid[j] = src[j]
+    if mode == REFLECT:
+        for q in range(1, r + 1):
+            pad[r - q] = src[q]
+            pad[r + W - 1 + q] = src[W - 1 - q]
+    _row_stencil(pad, dst, taps, W)
+
+
+# -- SSIM -------------------------------------------------------------------------------------------------------
 
 @nb.njit(parallel=True, cache=True, fastmath=True)
-def ssim_fused(x, y, bw, sw, lw, hw, bh, sh, want_x, want_y, chunk):
+def ssim_fused(x, y, taps, bh, sh, want_x, want_y, chunk):
     """SSIM of two ``[P, H, W]`` stacks, and the gradients of the SUM of its map w.r.t. ``x`` / ``y`` (those
-    wanted), with the separable window ``(bh, sh)`` (rows) x ``(bw, sw)`` (columns).
+    wanted), with the separable window ``taps`` along the rows (zero padding) x the band ``(bh, sh)`` down the
+    columns.
 
     Returns ``(row_sums [P * H] float64, l1_rows [P * H] float64, gx, gy)``: per-row sums of the SSIM map and of
-``|x - y|`` (the L1 term of the training loss, for free while the rows are in cache), and the gradients
-(empty when not wanted). With ``S`` the map,
-    the moments are ``G x``, ``G y``, ``G x^2``, ``G y^2``, ``G (x y)`` (``G`` the window filter), and
-    ``d sum(S) / dx = G^T dmu_x + 2 x G^T dE[x^2] + y G^T dE[xy]`` (symmetrically for y; ``dS/dE[x^2] =
-    dS/dE[y^2]``); the zero-padded symmetric window is its own transpose, so the same bands filter the
-    point-wise derivatives.
+    ``|x - y|`` (the L1 term of the training loss, for free while the rows are in cache), and the gradients
+    (empty when not wanted). With ``S`` the map and ``G`` the window filter, the moments are ``G x``, ``G y``,
+    ``G (x^2 + y^2)`` and ``G (x y)``: ``E[x^2]`` and ``E[y^2]`` enter SSIM only through their sum (the sum of
+    the variances), so four filtered moments instead of five. ``d sum(S) / dx = G^T dmu_x + 2 x G^T dE +
+    y G^T dE[xy]`` with ``dE = dS/dE[x^2 + y^2]`` (symmetrically for y); the zero-padded symmetric window is its
+    own transpose, so the same filter takes the point-wise derivatives.
 
-    Work is split into chunks of ``chunk`` rows of one plane, in parallel. A chunk keeps everything it needs in
-    small local buffers that stay in cache: the column-filtered moments of its rows plus a margin of twice the
-    window radius, the derivative maps of its rows plus one radius, then its gradient rows. Nothing else is
-    written to memory (the margins are recomputed by the neighbouring chunk: ~30% more filtering at 48 rows,
-    much less than a round trip of the intermediate images through main memory).
+    Work is split into chunks of ``chunk`` rows of one plane, in parallel; a chunk streams its rows through two
+    rings (see the module docstring): the row-filtered moments, and the row-filtered derivative maps. Output
+    rows go in batches of ``BATCH_ROWS``, one moment (or derivative map) at a time over the batch, so the ring
+    rows that the batch's column stencils share stay in L1 cache (25-30% faster than all five moments row by
+    row). Each SSIM row is made as soon as its moment rows are in, each gradient row as soon as its derivative
+    rows are in; nothing else is written to memory.
     """
     P, H, W = x.shape
     L = bh.shape[1]
+    r = (taps.shape[0] - 1) // 2
+    B = BATCH_ROWS
+    R = L + B - 1  # ring rows: the reach of one batch
     C1 = 0.01 ** 2
     C2 = 0.03 ** 2
     two = np.array([2.0], dtype=x.dtype)[0]  # typed: the gradient rows stay in the storage type
@@ -210,86 +251,96 @@ def ssim_fused(x, y, bw, sw, lw, hw, bh, sh, want_x, want_y, chunk):
         d0, d1 = r0, r1  # rows whose point-wise terms are needed
         if need:
             d0, d1 = sh[r0], sh[r1 - 1] + L
-        m0, m1 = sh[d0], sh[d1 - 1] + L  # rows whose moments are needed
-        hm = np.empty((5, m1 - m0, W), dtype=x.dtype)  # column-filtered x, y, x^2, y^2, xy
-        prod = np.empty((3, W), dtype=x.dtype)
-        for m in range(m0, m1):
-            xr = x[p, m]
-            yr = y[p, m]
-            if r0 <= m < r1:
+        m0 = sh[d0]  # first row whose moments are needed
+        hm = np.empty((4, 2 * R, W), dtype=x.dtype)  # ring: row-filtered x, y, x^2 + y^2, xy
+        dh = np.empty((4, 2 * R if need else 0, W), dtype=x.dtype)  # ring: the row-filtered derivative maps
+        src = np.zeros((4, W + 2 * r), dtype=x.dtype)  # zero-padded rows: x, y, x^2 + y^2, xy; then the dm
+        # their insides as slices (an offset index would cost the vectorisation, see the stencils' note)
+        s0, s1, s2, s3 = src[0, r:r + W], src[1, r:r + W], src[2, r:r + W], src[3, r:r + W]
+        mom = np.empty((4, B, W), dtype=x.dtype)
+        acc = np.empty((4, B, W), dtype=x.dtype)
+        nm = m0  # next row to filter along x
+        ni = r0  # next gradient row
+        for d in range(d0, d1, B):
+            e = min(d + B, d1)
+            while nm < sh[e - 1] + L:  # the batch's moment rows in: filter row nm along x into the ring
+                xr = x[p, nm]
+                yr = y[p, nm]
                 a = 0.0
                 for j in range(W):
-                    a += abs(xr[j] - yr[j])
-                l1_rows[p * H + m] = a
-            for j in range(W):
-                prod[0, j] = xr[j] * xr[j]
-                prod[1, j] = yr[j] * yr[j]
-                prod[2, j] = xr[j] * yr[j]
-            q = m - m0
-            _row_filter(xr, hm[0, q], bw, sw, lw, hw)
-            _row_filter(yr, hm[1, q], bw, sw, lw, hw)
-            _row_filter(prod[0], hm[2, q], bw, sw, lw, hw)
-            _row_filter(prod[1], hm[3, q], bw, sw, lw, hw)
-            _row_filter(prod[2], hm[4, q], bw, sw, lw, hw)
-        mom = np.empty((5, W), dtype=x.dtype)
-        dm = np.empty((4, W), dtype=x.dtype)  # dS/dmu_x, dS/dmu_y, dS/dE[x^2] (= dS/dE[y^2]), dS/dE[xy]
-        dh = np.empty((4, d1 - d0 if need else 0, W), dtype=x.dtype)  # the same, column-filtered
-        for d in range(d0, d1):
-            for c in range(5):
-                _col_filter(hm[c], m0, mom[c], bh, sh, d)
-            total = 0.0
-            for j in range(W):
-                # in float64: the variances are small differences of large moments, and in float32 (with FMA
-                # contraction) SSIM(x, x) came out 1 + 3e-6
-                mx = np.float64(mom[0, j])
-                my = np.float64(mom[1, j])
-                mxy = mx * my
-                a1 = 2.0 * mxy + C1
-                a2 = 2.0 * (np.float64(mom[4, j]) - mxy) + C2
-                b1 = mx * mx + my * my + C1
-                b2 = (np.float64(mom[2, j]) - mx * mx) + (np.float64(mom[3, j]) - my * my) + C2
-                inv_b1 = 1.0 / b1
-                inv_b2 = 1.0 / b2
-                inv_d = inv_b1 * inv_b2
-                sv = a1 * a2 * inv_d
-                total += sv
-                if need:
-                    s_b2 = sv * inv_b2
-                    diff = s_b2 - sv * inv_b1
-                    qq = 2.0 * (a2 - a1) * inv_d
-                    dm[0, j] = qq * my + 2.0 * mx * diff
-                    dm[1, j] = qq * mx + 2.0 * my * diff
-                    dm[2, j] = -s_b2
-                    dm[3, j] = 2.0 * a1 * inv_d
-            if r0 <= d < r1:
-                row_sums[p * H + d] = total
-            if need:
-                e = d - d0
-                if want_x:
-                    _row_filter(dm[0], dh[0, e], bw, sw, lw, hw)
-                if want_y:
-                    _row_filter(dm[1], dh[1, e], bw, sw, lw, hw)
-                _row_filter(dm[2], dh[2, e], bw, sw, lw, hw)
-                _row_filter(dm[3], dh[3, e], bw, sw, lw, hw)
-        if need:
-            acc = np.empty((4, W), dtype=x.dtype)
-            for i in range(r0, r1):
-                if want_x:
-                    _col_filter(dh[0], d0, acc[0], bh, sh, i)
-                if want_y:
-                    _col_filter(dh[1], d0, acc[1], bh, sh, i)
-                _col_filter(dh[2], d0, acc[2], bh, sh, i)
-                _col_filter(dh[3], d0, acc[3], bh, sh, i)
-                xr = x[p, i]
-                yr = y[p, i]
-                if want_x:
-                    o = gx[p, i]
-                    for j in range(W):
-                        o[j] = acc[0, j] + two * xr[j] * acc[2, j] + yr[j] * acc[3, j]
-                if want_y:
-                    o = gy[p, i]
-                    for j in range(W):
-                        o[j] = acc[1, j] + two * yr[j] * acc[2, j] + xr[j] * acc[3, j]
+                    u = xr[j]
+                    v = yr[j]
+                    a += abs(u - v)
+                    s0[j] = u
+                    s1[j] = v
+                    s2[j] = u * u + v * v
+                    s3[j] = u * v
+                if r0 <= nm < r1:
+                    l1_rows[p * H + nm] = a
+                q = (nm - m0) % R
+                for c in range(4):
+                    _row_stencil(src[c], hm[c, q], taps, W)
+                    _ring_dup(hm[c], q)
+                nm += 1
+            for c in range(4):
+                for b in range(e - d):
+                    _col_stencil(hm[c], m0, mom[c, b], bh, sh, d + b)
+            for b in range(e - d):
+                dd = d + b
+                total = 0.0
+                mx_, my_, mss, mxy_ = mom[0, b], mom[1, b], mom[2, b], mom[3, b]
+                for j in range(W):
+                    # in float64: the variances are small differences of large moments, and in float32 (with
+                    # FMA contraction) SSIM(x, x) came out 1 + 3e-6
+                    mx = np.float64(mx_[j])
+                    my = np.float64(my_[j])
+                    mxy = mx * my
+                    a1 = 2.0 * mxy + C1
+                    a2 = 2.0 * (np.float64(mxy_[j]) - mxy) + C2
+                    b1 = mx * mx + my * my + C1
+                    b2 = np.float64(mss[j]) - (mx * mx + my * my) + C2
+                    inv_d = 1.0 / (b1 * b2)  # one division: 1/b1 and 1/b2 follow from it
+                    sv = a1 * a2 * inv_d
+                    total += sv
+                    if need:
+                        s_b2 = sv * b1 * inv_d  # S / B2
+                        diff = s_b2 - sv * b2 * inv_d  # S / B2 - S / B1
+                        qq = 2.0 * (a2 - a1) * inv_d
+                        s0[j] = qq * my + 2.0 * mx * diff  # dS/dmu_x
+                        s1[j] = qq * mx + 2.0 * my * diff  # dS/dmu_y
+                        s2[j] = -s_b2  # dS/dE[x^2 + y^2]
+                        s3[j] = 2.0 * a1 * inv_d  # dS/dE[xy]
+                if r0 <= dd < r1:
+                    row_sums[p * H + dd] = total
+                if not need:
+                    continue
+                q = (dd - d0) % R
+                for c in range(4):
+                    if (c != 0 or want_x) and (c != 1 or want_y):
+                        _row_stencil(src[c], dh[c, q], taps, W)
+                        _ring_dup(dh[c], q)
+                while ni < r1:  # the next batch of gradient rows, once its derivative rows are in
+                    f = min(ni + B, r1)
+                    if sh[f - 1] + L - 1 > dd:
+                        break
+                    for c in range(4):
+                        if (c != 0 or want_x) and (c != 1 or want_y):
+                            for i in range(ni, f):
+                                _col_stencil(dh[c], d0, acc[c, i - ni], bh, sh, i)
+                    for i in range(ni, f):
+                        xr = x[p, i]
+                        yr = y[p, i]
+                        a0, a2_, a3 = acc[0, i - ni], acc[2, i - ni], acc[3, i - ni]
+                        if want_x:
+                            o = gx[p, i]
+                            for j in range(W):
+                                o[j] = a0[j] + two * xr[j] * a2_[j] + yr[j] * a3[j]
+                        if want_y:
+                            a1_ = acc[1, i - ni]
+                            o = gy[p, i]
+                            for j in range(W):
+                                o[j] = a1_[j] + two * yr[j] * a2_[j] + xr[j] * a3[j]
+                    ni = f
     return row_sums, l1_rows, gx, gy
 
 
@@ -300,47 +351,73 @@ def add_sign_grad(g, x, y, a, b):
     n = x.shape[0]
     out = np.empty(n, dtype=x.dtype)
     has_g = g.shape[0] == n
+    one = np.array([1.0], dtype=x.dtype)[0]
     for i in nb.prange(n):
         d = x[i] - y[i]
-        sg = 1.0 if d > 0 else (-1.0 if d < 0 else 0.0)
-        v = b * sg
+        v = b * ((one if d > 0 else 0 * one) - (one if d < 0 else 0 * one))
         if has_g:
             v += a * g[i]
         out[i] = v
     return out
 
 
+# -- the training blur ------------------------------------------------------------------------------------------
+
 @nb.njit(parallel=True, cache=True, fastmath=True)
-def separable_filter(src, src2, bw, sw, lw, hw, bh, sh, chunk):
+def separable_filter(src, src2, taps, mode, bh, sh, chunk, lx, ly, a, b):
     """``out[p] = Mh @ src[p] @ Mw^T`` for every plane of ``src [P, H, W]`` and of ``src2 [P2, H, W]`` (may
-    have no planes): the columns filter ``(bw, sw)`` along each row, then the rows filter ``(bh, sh)`` down each
-    column. With the transposed bands this is the backward of the same filter (the two axes commute). Returns
-    ``(out, out2)``.
+    have no planes): the row filter ``taps`` with padding ``mode`` (``REFLECT``, or ``REFLECT_T`` with the taps
+    reversed for the transpose), then the band ``(bh, sh)`` down each column. With the transposed band and
+    ``REFLECT_T`` this is the backward of the same filter (the two axes commute). Returns ``(out, out2)``.
+
+    When ``lx`` has planes (``lx``, ``ly`` shaped as ``src``), ``src`` stands for ``a * src + b * sign(lx - ly)``,
+    formed row by row as it is read: the gradient of ``a * sum(SSIM map) + b * sum|lx - ly|`` of the blurred
+    images (``src`` from :func:`ssim_fused`) on its way back through the blur, without that image going through
+    memory.
 
     One parallel loop over chunks of ``chunk`` rows of a plane of either stack (render and target go through one
-    loop); each chunk filters the rows it reads (its own plus the filter's reach) into a local buffer and reduces
-    them down the columns from there, so no intermediate image goes through memory and the threads meet once
-    per call (on a shared machine every parallel loop waits for its slowest thread)."""
+    loop, so the threads meet once per call: on a shared machine every parallel loop waits for its slowest
+    thread); each chunk streams its rows through a ring of ``L`` row-filtered rows."""
     P, H, W = src.shape
     P2 = src2.shape[0]
     L = bh.shape[1]
+    r = (taps.shape[0] - 1) // 2
     nc = (H + chunk - 1) // chunk
+    combine = lx.shape[0] > 0
+    one = np.array([1.0], dtype=src.dtype)[0]  # typed constants: the rows stay in the storage type
+    zero = one - one
+    ta = np.array([a], dtype=src.dtype)[0]
+    tb = np.array([b], dtype=src.dtype)[0]
     out = np.empty((P, H, W), dtype=src.dtype)
     out2 = np.empty((P2, H, W), dtype=src.dtype)
     for t in nb.prange((P + P2) * nc):
         q = t // nc
         r0 = (t - q * nc) * chunk
         r1 = min(H, r0 + chunk)
-        if q < P:
+        own = q < P
+        if own:
             img = src[q]
             dst = out[q]
         else:
             img = src2[q - P]
             dst = out2[q - P]
-        m0, m1 = sh[r0], sh[r1 - 1] + L
-        buf = np.empty((m1 - m0, W), dtype=src.dtype)
-        for m in range(m0, m1):
-            _row_filter(img[m], buf[m - m0], bw, sw, lw, hw)
+        m0 = sh[r0]
+        ring = np.empty((2 * L, W), dtype=src.dtype)
+        pad, tmp = _pad_buffer(W, r, mode, src)
+        row = np.empty(W if combine else 0, dtype=src.dtype)
+        nm = m0
         for i in range(r0, r1):
-            _col_filter(buf, m0, dst[i], bh, sh, i)
+            while nm < sh[i] + L:
+                k = (nm - m0) % L
+                if combine and own:
+                    g, u, v = img[nm], lx[q, nm], ly[q, nm]
+                    for j in range(W):
+                        d = u[j] - v[j]
+                        row[j] = ta * g[j] + tb * ((one if d > 0 else zero) - (one if d < 0 else zero))
+                    _row_filter(row, ring[k], taps, mode, pad, tmp)
+                else:
+                    _row_filter(img[nm], ring[k], taps, mode, pad, tmp)
+                _ring_dup(ring, k)
+                nm += 1
+            _col_stencil(ring, m0, dst[i], bh, sh, i)
     return out, out2

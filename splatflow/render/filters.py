@@ -4,12 +4,12 @@ progressive training blur, both on the numba kernels of :mod:`._filter_kernels`.
 These are the CPU paths only; :mod:`.ssim` and :func:`splatflow.train.schedules.gaussian_blur` dispatch here for
 tensors on the CPU and keep their torch implementations for every other device.
 
-A 1-D filter along an axis is a banded matrix (see :mod:`._filter_kernels`), built here for the two paddings in
-use: zero "same" padding (SSIM, as the 3DGS reference's ``F.conv2d(padding=5)``) and reflect padding (the
-training blur, as ``F.pad(mode="reflect")``, so a blurred constant image stays constant up to the border). The
-backward of a filter is its transpose; the SSIM window with zero padding is symmetric, the reflect-padded blur
-is not (border pixels receive the gradient of the pixels mirrored onto them), so its backward uses the
-transposed bands.
+Two paddings are in use: zero "same" padding (SSIM, as the 3DGS reference's ``F.conv2d(padding=5)``) and reflect
+padding (the training blur, as ``F.pad(mode="reflect")``, so a blurred constant image stays constant up to the
+border). Along the rows the kernels pad each row and run the taps; down the columns a filter is a banded matrix
+(see :mod:`._filter_kernels`), built here. The backward of a filter is its transpose; the SSIM window with zero
+padding is symmetric, the reflect-padded blur is not (border pixels receive the gradient of the pixels mirrored
+onto them), so its backward uses the transposed band and the transposed row filter.
 """
 
 from __future__ import annotations
@@ -24,8 +24,7 @@ from torch.autograd.function import once_differentiable
 
 WINDOW = 11
 SIGMA = 1.5
-SSIM_CHUNK_ROWS = 48  # rows per parallel work item of the fused SSIM kernel (cache-sized buffers; see there)
-BLUR_CHUNK_ROWS = 48  # the same for the training blur
+MIN_CHUNK_ROWS = 24  # a parallel work item is at least this many rows (or the whole plane)
 
 
 def gaussian_taps(radius: int, sigma: float) -> np.ndarray:
@@ -58,6 +57,29 @@ def _bands(n: int, radius: int, sigma: float, mode: str, transpose: bool, dtype:
     return band.astype(dtype), start, lo, hi
 
 
+@functools.lru_cache(maxsize=32)
+def _taps(radius: int, sigma: float, dtype: str, reverse: bool = False) -> np.ndarray:
+    t = gaussian_taps(radius, sigma)
+    return np.ascontiguousarray(t[::-1] if reverse else t, dtype=dtype)
+
+
+def chunk_rows(H: int, planes: int, threads: int | None = None) -> int:
+    """Rows per parallel work item for ``planes`` planes of ``H`` rows on ``threads`` threads (default: numba's
+    current count). The kernels stream rows through small ring buffers, so a tall chunk costs no cache, only
+    the rows in the filter's reach above and below it are filtered twice (by both chunks that need them): the
+    fewest chunks that split evenly over the threads, as a parallel loop waits for its slowest thread."""
+    if threads is None:
+        import numba
+
+        threads = numba.get_num_threads()
+    planes, threads = max(1, int(planes)), max(1, int(threads))
+    most = max(1, H // MIN_CHUNK_ROWS)
+    nc = 1
+    while nc < most and (planes * nc) % threads != 0 and planes * nc < 4 * threads:
+        nc += 1
+    return -(-H // nc)
+
+
 def _planes(t: Tensor) -> np.ndarray:
     """``[B, C, H, W]`` tensor -> contiguous ``[B * C, H, W]`` numpy view (a copy only if not contiguous)."""
     B, C, H, W = t.shape
@@ -70,6 +92,44 @@ def _dtype_name(t: Tensor) -> str:
     return "float32" if t.dtype == torch.float32 else "float64"
 
 
+def _ssim_kernel(xn: np.ndarray, yn: np.ndarray, want_x: bool, want_y: bool):
+    """:func:`._filter_kernels.ssim_fused` on ``[P, H, W]`` planes with the SSIM window."""
+    from . import _filter_kernels as K
+
+    H = xn.shape[1]
+    dt = str(xn.dtype)
+    bh, sh, _, _ = _bands(H, WINDOW // 2, SIGMA, "zero", False, dt)
+    return K.ssim_fused(xn, yn, _taps(WINDOW // 2, SIGMA, dt), bh, sh, want_x, want_y, chunk_rows(H, xn.shape[0]))
+
+
+def _blur_kernel(a: np.ndarray, b: np.ndarray | None, sigma_px: float, radius: int, transpose: bool,
+                 lx: np.ndarray | None = None, ly: np.ndarray | None = None, ga: float = 0.0, gb: float = 0.0):
+    """:func:`._filter_kernels.separable_filter` with the training blur (or its transpose) on ``[P, H, W]``
+    planes ``a`` and ``b`` (``None``: none); ``lx, ly, ga, gb``: the loss gradient formed on the way in."""
+    from . import _filter_kernels as K
+
+    P, H, W = a.shape
+    dt = str(a.dtype)
+    empty = np.empty((0, H, W), dtype=dt)
+    b = empty if b is None else b
+    bh, sh, _, _ = _bands(H, radius, float(sigma_px), "reflect", transpose, dt)
+    return K.separable_filter(a, b, _taps(radius, float(sigma_px), dt, transpose),
+                              K.REFLECT_T if transpose else K.REFLECT, bh, sh, chunk_rows(H, P + b.shape[0]),
+                              empty if lx is None else lx, empty if ly is None else ly, float(ga), float(gb))
+
+
+def _means(row_sums: np.ndarray, l1_rows: np.ndarray, x: Tensor) -> tuple[Tensor, Tensor]:
+    """The kernels' per-row sums of the SSIM map and of ``|x - y|`` as the two means, on ``x``'s device."""
+    n = x.numel()
+    return (torch.tensor(float(row_sums.sum()) / n, dtype=x.dtype, device=x.device),
+            torch.tensor(float(l1_rows.sum()) / n, dtype=x.dtype, device=x.device))
+
+
+def _no_grad_pass(name: str, entry: str) -> RuntimeError:
+    return RuntimeError(f"{name}.apply(..., with_grad=False) was differentiated; call it with with_grad=True "
+                        f"({entry} does so whenever grad mode is on)")
+
+
 class SSIMCPU(torch.autograd.Function):
     """Mean SSIM and mean absolute difference (L1) of ``[B, C, H, W]`` CPU tensors (SSIM: 11x11 Gaussian window,
     sigma 1.5, zero padding), with exact gradients. ``apply(x, y, with_grad) -> (ssim, l1)``: with
@@ -79,22 +139,16 @@ class SSIMCPU(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, y: Tensor, with_grad: bool = True):
-        from . import _filter_kernels as K
-
         B, C, H, W = x.shape
-        dt = _dtype_name(x)
-        bw, sw, lw, hw = _bands(W, WINDOW // 2, SIGMA, "zero", False, dt)
-        bh, sh, _, _ = _bands(H, WINDOW // 2, SIGMA, "zero", False, dt)
+        _dtype_name(x)
         want_x = bool(with_grad and ctx.needs_input_grad[0])
         want_y = bool(with_grad and ctx.needs_input_grad[1])
         xn, yn = _planes(x), _planes(y)
-        row_sums, l1_rows, gx, gy = K.ssim_fused(xn, yn, bw, sw, lw, hw, bh, sh, want_x, want_y, SSIM_CHUNK_ROWS)
+        row_sums, l1_rows, gx, gy = _ssim_kernel(xn, yn, want_x, want_y)
         ctx.arrays = (xn.reshape(-1), yn.reshape(-1), gx.reshape(-1), gy.reshape(-1))
         ctx.with_grad = bool(with_grad)
         ctx.shape = (B, C, H, W)
-        n = x.numel()
-        return (torch.tensor(float(row_sums.sum()) / n, dtype=x.dtype, device=x.device),
-                torch.tensor(float(l1_rows.sum()) / n, dtype=x.dtype, device=x.device))
+        return _means(row_sums, l1_rows, x)
 
     @staticmethod
     @once_differentiable
@@ -102,8 +156,7 @@ class SSIMCPU(torch.autograd.Function):
         from . import _filter_kernels as K
 
         if not ctx.with_grad:
-            raise RuntimeError("SSIMCPU.apply(x, y, with_grad=False) was differentiated; call it with "
-                               "with_grad=True (splatflow.render.ssim.ssim does so whenever grad mode is on)")
+            raise _no_grad_pass("SSIMCPU", "splatflow.render.ssim.ssim")
         xf, yf, gx, gy = ctx.arrays
         n = xf.shape[0]
         a, b = float(g_ssim) / n, float(g_l1) / n
@@ -127,17 +180,12 @@ class GaussianBlurCPU(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, img: Tensor, img2: Tensor | None, sigma_px: float, radius: int):
-        from . import _filter_kernels as K
-
         B, C, H, W = img.shape
         dt = _dtype_name(img)
         if img2 is not None and (img2.shape[-2:] != img.shape[-2:] or img2.dtype != img.dtype):
             raise ValueError(f"blurring two images in one call needs one size and dtype, got {tuple(img.shape)} "
                              f"{img.dtype} and {tuple(img2.shape)} {img2.dtype}")
-        bw, sw, lw, hw = _bands(W, radius, float(sigma_px), "reflect", False, dt)
-        bh, sh, _, _ = _bands(H, radius, float(sigma_px), "reflect", False, dt)
-        second = _planes(img2) if img2 is not None else np.empty((0, H, W), dtype=dt)
-        out, out2 = K.separable_filter(_planes(img), second, bw, sw, lw, hw, bh, sh, BLUR_CHUNK_ROWS)
+        out, out2 = _blur_kernel(_planes(img), _planes(img2) if img2 is not None else None, sigma_px, radius, False)
         ctx.params = (float(sigma_px), int(radius), dt, tuple(img.shape),
                       tuple(img2.shape) if img2 is not None else None)
         if img2 is None:
@@ -151,21 +199,74 @@ class GaussianBlurCPU(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, *grads: Tensor):
-        from . import _filter_kernels as K
-
         sigma_px, radius, dt, shape, shape2 = ctx.params
-        H, W = shape[-2:]
-        bw, sw, lw, hw = _bands(W, radius, sigma_px, "reflect", True, dt)
-        bh, sh, _, _ = _bands(H, radius, sigma_px, "reflect", True, dt)
         want = [i for i, s in enumerate((shape, shape2)) if s is not None and ctx.needs_input_grad[i]]
         planes = [_planes(grads[i].to(getattr(torch, dt))) for i in want]
-        while len(planes) < 2:
-            planes.append(np.empty((0, H, W), dtype=dt))
-        outs = K.separable_filter(planes[0], planes[1], bw, sw, lw, hw, bh, sh, BLUR_CHUNK_ROWS)
+        if not planes:
+            return None, None, None, None
+        outs = _blur_kernel(planes[0], planes[1] if len(planes) > 1 else None, sigma_px, radius, True)
         res = [None, None]
         for k, i in enumerate(want):
             res[i] = torch.from_numpy(outs[k]).view((shape, shape2)[i])
         return res[0], res[1], None, None
+
+
+class BlurredL1SSIMCPU(torch.autograd.Function):
+    """``(mean SSIM, mean L1)`` of ``x`` and ``y`` both blurred by the training blur (``[B, C, H, W]`` CPU
+    tensors; gradient to ``x`` only, the target being data): the training loss's two terms of 3DGS Eq. 7 with
+    the progressive blur. ``apply(x, y, sigma_px, radius, with_grad)``.
+
+    Forward: the blur of both (one kernel), then SSIM and L1 with SSIM's gradient (one kernel, as
+    :class:`SSIMCPU`). Backward: one kernel forms ``a dSSIM + b sign(blurred x - blurred y)`` row by row and
+    runs the transposed blur over it; through :class:`GaussianBlurCPU` and :class:`SSIMCPU` that gradient is
+    one more full image written and read again, and one more parallel loop."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, y: Tensor, sigma_px: float, radius: int, with_grad: bool = True):
+        _dtype_name(x)
+        xb, yb = _blur_kernel(_planes(x), _planes(y), sigma_px, radius, False)
+        want = bool(with_grad and ctx.needs_input_grad[0])
+        row_sums, l1_rows, gx, _ = _ssim_kernel(xb, yb, want, False)
+        ctx.arrays = (xb, yb, gx) if want else None
+        ctx.params = (float(sigma_px), int(radius), x.shape)
+        return _means(row_sums, l1_rows, x)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g_ssim: Tensor, g_l1: Tensor):
+        if ctx.arrays is None:
+            raise _no_grad_pass("BlurredL1SSIMCPU", "splatflow.render.ssim.l1_ssim")
+        xb, yb, gx = ctx.arrays
+        sigma_px, radius, shape = ctx.params
+        n = gx.size
+        out, _ = _blur_kernel(gx, None, sigma_px, radius, True, xb, yb, float(g_ssim) / n, float(g_l1) / n)
+        return torch.from_numpy(out).view(shape), None, None, None, None
+
+
+def _blur_is_identity(img: Tensor, sigma_px: float, radius: int) -> bool:
+    """Below ~0.166 px the float32 blur's centre tap rounds to 1 and the others are < 2^-25: it changes a pixel by
+    less than float32 resolves (at most 1.5e-8 absolute), so it is skipped, forward and backward (float64, used
+    for gradient checks, always takes the filter)."""
+    return img.dtype == torch.float32 and _taps(radius, float(sigma_px), "float32")[radius] == 1.0
+
+
+def blurred_l1_ssim_cpu(x: Tensor, y: Tensor, sigma_px: float) -> tuple[Tensor, Tensor]:
+    """``(mean SSIM, mean |x - y|)`` of ``[B, C, H, W]`` CPU tensors after the training blur of both by
+    ``sigma_px`` (see :func:`splatflow.render.ssim.l1_ssim`): one fused pass forward and one backward when only
+    ``x`` needs a gradient (training: the render and its target), else the blur and SSIM as two steps."""
+    if x.device.type != "cpu" or y.device.type != "cpu":
+        raise ValueError(f"blurred_l1_ssim_cpu needs CPU tensors, got {x.device} and {y.device}")
+    if x.shape != y.shape or x.dtype != y.dtype or x.dim() != 4:
+        raise ValueError(f"blurred_l1_ssim_cpu needs two [B, C, H, W] tensors of one shape and dtype, got "
+                         f"{tuple(x.shape)} {x.dtype} and {tuple(y.shape)} {y.dtype}")
+    H, W = x.shape[-2:]
+    radius = blur_radius(sigma_px, W, H)
+    if _blur_is_identity(x, sigma_px, radius):
+        return ssim_l1_cpu(x, y)
+    if y.requires_grad and torch.is_grad_enabled():
+        return ssim_l1_cpu(*gaussian_blur_cpu(x, sigma_px, y))
+    with_grad = torch.is_grad_enabled() and x.requires_grad
+    return BlurredL1SSIMCPU.apply(x, y, float(sigma_px), radius, with_grad)
 
 
 def gaussian_blur_cpu(img: Tensor, sigma_px: float, img2: Tensor | None = None):
@@ -174,7 +275,10 @@ def gaussian_blur_cpu(img: Tensor, sigma_px: float, img2: Tensor | None = None):
     if img.device.type != "cpu" or (img2 is not None and img2.device.type != "cpu"):
         raise ValueError(f"gaussian_blur_cpu needs CPU tensors, got one on {img.device}")
     H, W = img.shape[-2:]
-    return GaussianBlurCPU.apply(img, img2, float(sigma_px), blur_radius(sigma_px, W, H))
+    radius = blur_radius(sigma_px, W, H)
+    if _blur_is_identity(img, sigma_px, radius):
+        return img if img2 is None else (img, img2)
+    return GaussianBlurCPU.apply(img, img2, float(sigma_px), radius)
 
 
 def ssim_l1_cpu(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
@@ -191,5 +295,6 @@ def ssim_cpu(x: Tensor, y: Tensor) -> Tensor:
     return ssim_l1_cpu(x, y)[0]
 
 
-__all__ = ["SSIMCPU", "GaussianBlurCPU", "ssim_cpu", "ssim_l1_cpu", "gaussian_blur_cpu", "band_matrix", "gaussian_taps",
+__all__ = ["SSIMCPU", "GaussianBlurCPU", "BlurredL1SSIMCPU", "ssim_cpu", "ssim_l1_cpu", "blurred_l1_ssim_cpu",
+           "gaussian_blur_cpu", "band_matrix", "gaussian_taps",
            "blur_radius"]

@@ -101,19 +101,30 @@ def ssim(x: Tensor, y: Tensor) -> Tensor:
     return _SSIM.apply(x.contiguous(), y.contiguous())
 
 
-def l1_ssim(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+BLUR_MIN_SIGMA = 0.05  # px: below this the training blur is the identity (as train.schedules.gaussian_blur)
+
+
+def l1_ssim(x: Tensor, y: Tensor, blur_sigma: float = 0.0) -> tuple[Tensor, Tensor]:
     """``(mean |x - y|, mean SSIM)`` of two ``[B, C, H, W]`` batches, both differentiable: the two terms of the
-    training loss. On CPU tensors one kernel pass computes both (and their gradients); elsewhere torch ops."""
+    training loss. With ``blur_sigma`` (px) both images are first blurred by the training blur (see
+    :func:`splatflow.train.schedules.gaussian_blur`). On CPU tensors the kernels compute blur, both terms and
+    their gradients in two passes forward and one backward; elsewhere torch ops."""
     if x.shape != y.shape or x.dim() != 4:
         raise ValueError(f"l1_ssim needs two [B, C, H, W] tensors of one shape, got {tuple(x.shape)} and "
                          f"{tuple(y.shape)}")
     if y.dtype != x.dtype:
         y = y.to(x.dtype)
+    blur = blur_sigma >= BLUR_MIN_SIGMA
     if x.device.type == "cpu" and y.device.type == "cpu":
-        from .filters import ssim_l1_cpu
+        from .filters import blurred_l1_ssim_cpu, ssim_l1_cpu
 
-        s, l1 = ssim_l1_cpu(x.contiguous(), y.contiguous())
+        # (the blur reads its inputs through a contiguous copy only where needed, inside its timed kernel call)
+        s, l1 = (blurred_l1_ssim_cpu(x, y, blur_sigma) if blur else ssim_l1_cpu(x.contiguous(), y.contiguous()))
         return l1, s
+    if blur:  # the torch blur for other devices lives with the schedule that drives it
+        from splatflow.train.schedules import gaussian_blur_pair
+
+        x, y = gaussian_blur_pair(x, y, blur_sigma)
     return (x - y).abs().mean(), _SSIM.apply(x.contiguous(), y.contiguous())
 
 

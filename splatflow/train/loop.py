@@ -34,7 +34,7 @@ from splatflow.model import SPLAT_KEYS, init_splats, load_checkpoint, save_check
 from splatflow.scene.images import ImageCache
 from splatflow.train.prune_during import PruneDuring
 from splatflow.train.schedules import (BlurSchedule, ExpDecay, PlateauStopper, ResolutionSchedule, Schedules,
-                                       SHSchedule, gaussian_blur_pair)
+                                       SHSchedule)
 from splatflow.train.strategies import make_strategy, rendered
 
 log = logging.getLogger("splatflow.train")
@@ -52,9 +52,8 @@ def photometric_loss(pred: torch.Tensor, gt: torch.Tensor, sigma_px: float, ssim
     """``(loss, l1, ssim)`` of ``[1, 3, H, W]`` images after blurring both by ``sigma_px`` (3DGS Eq. 7)."""
     from splatflow.render.ssim import l1_ssim
 
-    if sigma_px >= 0.05:  # one kernel call on CPU; the target gets no backward pass
-        pred, gt = gaussian_blur_pair(pred, gt, sigma_px)  # 2 x [1, 3, H, W]
-    l1, s = l1_ssim(pred, gt)  # one kernel pass on CPU
+    # on CPU: blur of both, L1 and SSIM in two kernel passes forward, one backward; the target gets no gradient
+    l1, s = l1_ssim(pred, gt, blur_sigma=sigma_px)
     return (1.0 - ssim_lambda) * l1 + ssim_lambda * (1.0 - s), l1, s
 
 
