@@ -1,4 +1,5 @@
-"""Benchmark: model size vs TEST PSNR along the pruning phases (issue 5: "~10% of the Gaussians for <= 1 dB").
+"""Benchmark: model size vs TEST PSNR along the pruning phases (the goal: ~10% of the
+Gaussians for <= 1 dB of test PSNR).
 
 Runs the prune stage's work (:func:`splatflow.prune.run_prune`, recovery fine-tune included) on a trained
 checkpoint and, after every phase, renders the split's TEST views under ``torch.no_grad`` at full resolution.

@@ -1,6 +1,6 @@
 """Benchmark: CPU rasterizer (numba) vs the plain-PyTorch oracle, forward + backward, in one process.
 
-Cases (issue 3): 2K Gaussians at 240x135, 10K at 490x273, 20K at 480x270, 50K at 960x540; SH degree 3; 2 threads;
+Cases: 2K Gaussians at 240x135, 10K at 490x273, 20K at 480x270, 50K at 960x540; SH degree 3; 2 threads;
 an L1 loss against a fixed target image, so the backward is a real one. Both backends get identical inputs.
 For every case it prints ms forward and backward of the CPU backend (projection + SH + compositing), ms of the
 oracle's forward + backward, their ratio, and the process peak RSS after the case (CPU cases run first, smallest

@@ -7,7 +7,7 @@ is a test view, `splatflow.scene.split.write_split`). Training uses ``params.yam
 full resolution, no gradients, float RGB clamped to [0, 1] against the undistorted test image (8-bit JPEG
 decoded to float; renders not quantised).
 
-Target (issue 4): >= 28 dB test PSNR with <= 10 minutes of training on 2 cores.
+Target: >= 28 dB test PSNR with <= 10 minutes of training on 2 cores.
 
 After training, the prune stage's work (``splatflow.prune.run_prune`` with ``params.yaml``'s ``prune`` section) runs
 on the checkpoint and is timed, so the prune stage's time is reported beside the train stage's (one ratio per run),

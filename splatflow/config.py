@@ -348,7 +348,7 @@ class PruneDuringConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Training (issue 4): every behaviour of the loop is one of these named settings."""
+    """Training: every behaviour of the loop is one of these named settings."""
 
     max_steps: int = 4000
     sh_degree: int = 3  # highest SH degree (its coefficients are allocated from the start)
@@ -403,7 +403,7 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class PruneConfig:
-    """Phased pruning with recovery after LightGaussian (Fan et al. 2023; issue 5), each Gaussian scored by the
+    """Phased pruning with recovery after LightGaussian (Fan et al. 2023), each Gaussian scored by the
     exact cost of removing it (``score: removal``, the default) or by LightGaussian's global significance.
 
     Phase ``k`` (0-based) keeps ``keep_first * keep_decay**k`` of the TRAINED model's Gaussians (defaults:
@@ -472,7 +472,7 @@ LpipsVariant = Literal["lpips_vgg_01", "lpips_vgg", "lpips_alex"]
 
 @dataclass(frozen=True)
 class EvaluateConfig:
-    """Evaluation on the split's test views (DESIGN.md section 6).
+    """Evaluation on the split's test views (docs/design.md §6).
 
     ``lpips_variants``: ``lpips_vgg_01`` = VGG on [0, 1] inputs (3DGS paper code), ``lpips_vgg`` = VGG on
     [-1, 1] (nerfbaselines), ``lpips_alex`` = AlexNet on [-1, 1] (gsplat, nerfstudio).

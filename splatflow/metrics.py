@@ -1,4 +1,4 @@
-"""Image-quality metrics of the standard novel-view-synthesis protocol (DESIGN.md section 6).
+"""Image-quality metrics of the standard novel-view-synthesis protocol (docs/design.md §6).
 
 PSNR and SSIM are computed on RGB in [0, 1], as in the 3DGS reference evaluation (Kerbl et al. 2023) and
 Mip-NeRF 360 tables. SSIM (Wang et al. 2004) uses an 11x11 Gaussian window with sigma 1.5 and zero "same"

@@ -67,7 +67,7 @@ def seed_everything(seed: int) -> None:
 
 
 def configure_threads(n: int) -> None:
-    """Pin numba and torch thread counts without their OpenMP runtimes fighting (DESIGN.md §3)."""
+    """Pin numba and torch thread counts without their OpenMP runtimes fighting (docs/design.md §3)."""
     from splatflow.render import configure_threads as _configure
 
     _configure(n)

@@ -1,4 +1,4 @@
-"""DVC stage `evaluate`: the pruned model scored on the split's test views (DESIGN.md section 6).
+"""DVC stage `evaluate`: the pruned model scored on the split's test views (docs/design.md §6).
 
 Reads ``models/<scene>/prune/ckpt.pt``, ``data/<scene>/undistorted`` and ``data/<scene>/split.json``; writes
 ``metrics/<scene>/evaluate.json`` (means + protocol), ``metrics/<scene>/per_view.csv`` (pandera-validated) and

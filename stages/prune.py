@@ -1,4 +1,5 @@
-"""DVC stage ``prune``: LightGaussian global-significance pruning with recovery (issue 5).
+"""DVC stage ``prune``: verify and copy a model pruned during training (``train.prune_during``, the default), or
+prune in phases with a recovery fine-tune after each (LightGaussian's schedule; removal-cost score by default).
 
 Reads ``models/S/train/ckpt.pt`` and the training views; writes ``models/S/prune/ckpt.pt`` (splats and
 ``sh_degree`` only: the optimizer state of training is dropped) and returns the metrics dict that becomes

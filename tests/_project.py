@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
 # A scene small enough for every stage to take seconds: 12 views at 320x240 on a 90° arc register 12/12 in ~1 s
-# (DESIGN.md §5).
+# (docs/design.md §5).
 TINY_SCENE = dict(n_views=12, width=320, height=240, arc_deg=90.0, seed=0)
 
 # Params as small as every stage allows while still exercising it: 10 training steps at half resolution, one prune

@@ -1,4 +1,4 @@
-"""Prune stage (issue 5): LightGaussian significance, the kept set, early stop, no-op and checkpoint I/O.
+"""Prune stage: LightGaussian significance, the kept set, early stop, no-op and checkpoint I/O.
 
 The scene is built so the answer is known: 20 large opaque Gaussians on a grid in front of three cameras carry
 the picture; 80 others cannot matter (sub-pixel and faint, below the 1/255 alpha threshold, hidden right behind

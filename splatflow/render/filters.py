@@ -1,7 +1,7 @@
 """CPU separable Gaussian filters as autograd Functions: SSIM (Wang et al. 2004, the 3DGS window) and the
 progressive training blur, both on the numba kernels of :mod:`._filter_kernels`.
 
-These are the CPU paths only; :mod:`.ssim` and :func:`splatflow.train.schedules.gaussian_blur` dispatch here for
+These are the CPU paths only; :mod:`.ssim` and :func:`splatflow.render.blur.gaussian_blur` dispatch here for
 tensors on the CPU and keep their torch implementations for every other device.
 
 Two paddings are in use: zero "same" padding (SSIM, as the 3DGS reference's ``F.conv2d(padding=5)``) and reflect
@@ -270,7 +270,7 @@ def blurred_l1_ssim_cpu(x: Tensor, y: Tensor, sigma_px: float) -> tuple[Tensor, 
 
 
 def gaussian_blur_cpu(img: Tensor, sigma_px: float, img2: Tensor | None = None):
-    """The training blur (see :func:`splatflow.train.schedules.gaussian_blur`) on CPU tensors; with ``img2`` both
+    """The training blur (see :func:`splatflow.render.blur.gaussian_blur`) on CPU tensors; with ``img2`` both
     images in one kernel call, returned as a pair."""
     if img.device.type != "cpu" or (img2 is not None and img2.device.type != "cpu"):
         raise ValueError(f"gaussian_blur_cpu needs CPU tensors, got one on {img.device}")

@@ -2,7 +2,7 @@
 Structural Similarity", IEEE TIP 2004), with the window and padding of the 3DGS reference code.
 
 Why a custom autograd Function: on CPU a naive SSIM (five 11x11 depthwise convolutions, then autograd through
-~20 element-wise ops) costs about as much as rendering the image (DESIGN.md §4). Here
+~20 element-wise ops) costs about as much as rendering the image (docs/design.md §4). Here
 
 * the 11x11 Gaussian window (sigma 1.5) is applied as two 1-D passes (11+11 taps instead of 121), exact because
   the window is an outer product and zero "same" padding commutes with the separation;
@@ -101,13 +101,13 @@ def ssim(x: Tensor, y: Tensor) -> Tensor:
     return _SSIM.apply(x.contiguous(), y.contiguous())
 
 
-BLUR_MIN_SIGMA = 0.05  # px: below this the training blur is the identity (as train.schedules.gaussian_blur)
+BLUR_MIN_SIGMA = 0.05  # px: below this the training blur is the identity (as render.blur.gaussian_blur)
 
 
 def l1_ssim(x: Tensor, y: Tensor, blur_sigma: float = 0.0) -> tuple[Tensor, Tensor]:
     """``(mean |x - y|, mean SSIM)`` of two ``[B, C, H, W]`` batches, both differentiable: the two terms of the
     training loss. With ``blur_sigma`` (px) both images are first blurred by the training blur (see
-    :func:`splatflow.train.schedules.gaussian_blur`). On CPU tensors the kernels compute blur, both terms and
+    :func:`splatflow.render.blur.gaussian_blur`). On CPU tensors the kernels compute blur, both terms and
     their gradients in two passes forward and one backward; elsewhere torch ops."""
     if x.shape != y.shape or x.dim() != 4:
         raise ValueError(f"l1_ssim needs two [B, C, H, W] tensors of one shape, got {tuple(x.shape)} and "
@@ -122,7 +122,7 @@ def l1_ssim(x: Tensor, y: Tensor, blur_sigma: float = 0.0) -> tuple[Tensor, Tens
         s, l1 = (blurred_l1_ssim_cpu(x, y, blur_sigma) if blur else ssim_l1_cpu(x.contiguous(), y.contiguous()))
         return l1, s
     if blur:  # the torch blur for other devices lives with the schedule that drives it
-        from splatflow.train.schedules import gaussian_blur_pair
+        from splatflow.render.blur import gaussian_blur_pair
 
         x, y = gaussian_blur_pair(x, y, blur_sigma)
     return (x - y).abs().mean(), _SSIM.apply(x.contiguous(), y.contiguous())

@@ -1,4 +1,4 @@
-"""Thread hygiene for numba + torch in one process (DESIGN.md §3).
+"""Thread hygiene for numba + torch in one process (docs/design.md §3).
 
 numba's parallel loops and torch's intra-op pool each run on an OpenMP runtime. With the default *active* wait
 policy an idle OpenMP thread spins for a while after each parallel region, so when the two runtimes take turns

@@ -30,7 +30,7 @@ Choices and why:
   (each image with its ``overlap`` successors) fits video frames and large sets. ``auto`` picks exhaustive up to
   ``sfm.exhaustive_max_images`` images and sequential beyond, or for video.
 * Nothing that can abort the process is reachable: vocabulary-tree matching and sequential loop detection try to
-  download a vocabulary tree, and ALIKED features need ONNX models (DESIGN.md §3); none of them is configurable
+  download a vocabulary tree, and ALIKED features need ONNX models (docs/design.md §3); none of them is configurable
   here and loop detection is switched off explicitly.
 * The largest reconstruction is kept when the mapper splits the images into several models.
 * ``undistort_images`` crops 1-2 px at the border: downstream code must use the undistorted model's image sizes.

@@ -3,7 +3,7 @@
 Why a synthetic scene: the demo and most tests need a scene whose true cameras are known exactly (to measure the
 SfM camera error, see ``splatflow.scene.alignment``) and that is small and deterministic. Why this particular
 scene: COLMAP's SIFT matching needs rich, non-repeating texture and enough overlap between neighbouring views
-(DESIGN.md §5: at most 10 degrees between neighbours). So every face of the room and of the boxes carries its own
+(docs/design.md §5: at most 10 degrees between neighbours). So every face of the room and of the boxes carries its own
 texture, a crop of one of scikit-image's bundled photographs mixed with multi-scale colour noise, so no two places
 look alike; shading is Lambertian (view-independent, which is what a 3D Gaussian Splatting model with low SH degree
 reproduces best).
@@ -47,7 +47,7 @@ __all__ = [
     "write_colmap_text_model",
 ]
 
-#: Largest angle between neighbouring views that still gives COLMAP enough overlap (DESIGN.md §5).
+#: Largest angle between neighbouring views that still gives COLMAP enough overlap (docs/design.md §5).
 MAX_STEP_DEG = 10.0
 
 #: The demo scene (``splatflow demo-scene``): 36 views at 320x240 on a full orbit, 10 degrees apart, sized so that

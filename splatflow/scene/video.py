@@ -7,7 +7,7 @@ fixed width, see :mod:`splatflow.scene.imagehash`). This is the usual "sharp fra
 (e.g. nerfstudio's and COLMAP users' ffmpeg recipes); the window scheme keeps the spacing even.
 
 Decoding is sequential: ``VideoCapture.grab()`` in order is ~13x faster than seeking with ``CAP_PROP_POS_FRAMES``
-(measured, DESIGN.md §5), because every seek decodes again from the previous key frame. OpenCV's FFmpeg build
+(measured, docs/design.md §5), because every seek decodes again from the previous key frame. OpenCV's FFmpeg build
 cannot decode AV1 and then reports an opened capture that yields 0 frames without any error, so an empty
 decode is turned into a :class:`UserError` naming the codec and the fix.
 """

@@ -1,4 +1,4 @@
-"""Training (issue 4): progressive 3DGS training on CPU or CUDA.
+"""Training: progressive 3DGS training on CPU or CUDA.
 
 ``train(scene, cfg, ...)`` runs the full schedule (see :mod:`splatflow.train.loop`); ``finetune(splats, scene,
 steps, cfg, sh_degree=...)`` is the densification-free recovery step the prune stage uses.
