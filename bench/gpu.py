@@ -33,19 +33,15 @@ import torch  # noqa: E402
 @torch.no_grad()
 def test_psnr_on(splats, sh_degree, views, device) -> list[float]:
     """Per-view test PSNR, rendering on ``device`` (one image pair there at a time)."""
-    from splatflow.model import activated_for_render
-    from splatflow.render import rasterize
+    from splatflow.model import Splats, render_view
     from splatflow.scene.images import read_rgb
 
-    a = activated_for_render(splats, sh_degree, device)
+    splats = Splats.of(splats).to(device)
     out = []
     for v in views:
         gt = torch.from_numpy(read_rgb(v.image_path)).to(device).float() / 255.0  # [H, W, 3]
-        rgb, _, _ = rasterize(a["means"], a["quats"], a["scales"], a["opacities"], a["colors"],
-                              torch.as_tensor(v.world_to_cam, dtype=torch.float32, device=device)[None],
-                              torch.as_tensor(v.K, dtype=torch.float32, device=device)[None], v.width, v.height,
-                              sh_degree=sh_degree, backend="cuda" if device.type == "cuda" else "cpu")
-        mse = float(((rgb[0].clamp(0, 1) - gt) ** 2).mean())
+        rgb = render_view(splats, v, sh_degree, "cuda" if device.type == "cuda" else "cpu")  # clamped to [0, 1]
+        mse = float(((rgb - gt) ** 2).mean())
         out.append(-10.0 * math.log10(mse))
     return out
 

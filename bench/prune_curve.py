@@ -86,7 +86,7 @@ def main(argv=None) -> None:
     psnr0 = prune.mean_psnr(splats, deg, test_cams, test_targets, cfg.backend)
     render_s = (time.perf_counter() - t0) / len(test_cams)
     n0 = splats["means"].shape[0]
-    rows = [{"phase": 0, "keep_fraction": 1.0, "gaussians": n0, "size_mb": round(prune.splats_size_mb(splats), 3),
+    rows = [{"phase": 0, "keep_fraction": 1.0, "gaussians": n0, "size_mb": round(splats.size_mib, 3),
              "val_psnr": None, "test_psnr": psnr0, "test_drop_db": 0.0, "render_s_per_view": render_s,
              "seconds": 0.0, "accepted": True}]
     print(f"{args.scene}: {n0} Gaussians, {len(scene.train_views)} train / {len(scene.test_views)} test views, "
@@ -112,7 +112,7 @@ def main(argv=None) -> None:
     train_s = _train_seconds(ckpt, paths)
 
     print()
-    print("| phase | keep | Gaussians | size (MB) | val PSNR (train views) | test PSNR | test drop (dB) | "
+    print("| phase | keep | Gaussians | size (MiB) | val PSNR (train views) | test PSNR | test drop (dB) | "
           "render s/view | phase s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:

@@ -76,20 +76,15 @@ def prepare(work: Path, threads: int) -> tuple[Path, Path, dict]:
 
 @torch.no_grad()
 def test_psnr(splats, sh_degree, views) -> list[float]:
-    from splatflow.render import rasterize
+    from splatflow.model import Splats, render_view
     from splatflow.scene.images import read_rgb
 
     out = []
-    k = (sh_degree + 1) ** 2
-    colors = torch.cat([splats["sh0"], splats["shN"][:, : k - 1]], 1)  # [N, K, 3]
+    splats = Splats.of(splats)
     for v in views:
         gt = torch.from_numpy(read_rgb(v.image_path)).float() / 255.0  # [H, W, 3]
-        rgb, _, _ = rasterize(splats["means"], splats["quats"], torch.exp(splats["scales"]),
-                              torch.sigmoid(splats["opacities"]), colors,
-                              torch.tensor(v.world_to_cam, dtype=torch.float32)[None],
-                              torch.tensor(v.K, dtype=torch.float32)[None], v.width, v.height,
-                              sh_degree=sh_degree, backend="cpu")
-        mse = float(((rgb[0].clamp(0, 1) - gt) ** 2).mean())
+        rgb = render_view(splats, v, sh_degree, "cpu")  # [H, W, 3] clamped to [0, 1]
+        mse = float(((rgb - gt) ** 2).mean())
         out.append(-10.0 * math.log10(mse))
     return out
 

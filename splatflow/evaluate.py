@@ -17,7 +17,6 @@ import json
 import math
 import resource
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +26,7 @@ from splatflow.config import EvaluateConfig
 from splatflow.errors import UserError
 from splatflow.lpips import VARIANT_INPUTS, LpipsSet
 from splatflow.metrics import masked_pair, masked_psnr, masked_ssim, psnr, quantize_8bit, ssim
+from splatflow.model import Splats, render_view
 
 PER_VIEW_COLUMNS = ["view", "width", "height", "psnr", "ssim", "lpips_vgg_01", "lpips_vgg", "lpips_alex",
                     "render_seconds", "rss_mb"]
@@ -99,45 +99,14 @@ def save_side_by_side(path: Path, render: torch.Tensor, gt: torch.Tensor, gain: 
     Image.fromarray(row).save(path, compress_level=3)  # fast; level 6 barely smaller for renders
 
 
-@dataclass
-class PreparedModel:
-    """Activated parameters, computed once for all views."""
-
-    means: torch.Tensor
-    quats: torch.Tensor
-    scales: torch.Tensor
-    opacities: torch.Tensor
-    colors: torch.Tensor  # [N, K, 3] SH coefficients
-    sh_degree: int
-
-    @classmethod
-    def from_splats(cls, splats: dict, sh_degree: int, device: str = "cpu") -> "PreparedModel":
-        s = {k: v.to(device) for k, v in splats.items()}
-        return cls(means=s["means"], quats=s["quats"], scales=torch.exp(s["scales"]),
-                   opacities=torch.sigmoid(s["opacities"]),
-                   colors=torch.cat([s["sh0"], s["shN"]], dim=1), sh_degree=sh_degree)
-
-    @property
-    def n(self) -> int:
-        return int(self.means.shape[0])
-
-    @torch.no_grad()
-    def render(self, view, backend: str) -> torch.Tensor:
-        from splatflow.render import rasterize
-
-        dev = self.means.device
-        viewmat = torch.from_numpy(np.asarray(view.world_to_cam, dtype=np.float32))[None].to(dev)  # [1, 4, 4]
-        K = torch.from_numpy(np.asarray(view.K, dtype=np.float32))[None].to(dev)  # [1, 3, 3]
-        colors, _, _ = rasterize(self.means, self.quats, self.scales, self.opacities, self.colors, viewmat, K,
-                                 int(view.width), int(view.height), sh_degree=self.sh_degree, backend=backend)
-        if dev.type == "cuda":
-            torch.cuda.synchronize()  # so the caller's wall clock measures the render, not the launch
-        return colors[0, ..., :3].clamp(0.0, 1.0)  # [H, W, 3] on the model's device
-
-
-def model_size_mb(splats: dict) -> float:
-    """Size of the Gaussian parameters as float32 (what an uncompressed export holds), in MiB."""
-    return sum(int(v.numel()) for v in splats.values()) * 4 / 2**20
+def render_timed(splats: Splats, view, sh_degree: int, backend: str) -> tuple[torch.Tensor, float]:
+    """``(render [H, W, 3] on the splats' device, seconds)``: the wall clock of one render, synchronised on a GPU
+    so it measures the render, not the kernel launch."""
+    t0 = time.perf_counter()
+    render = render_view(splats, view, sh_degree, backend)
+    if splats.device.type == "cuda":
+        torch.cuda.synchronize(splats.device)
+    return render, time.perf_counter() - t0
 
 
 def _train_peak_rss(train_json: Path | None) -> float | None:
@@ -164,7 +133,7 @@ def _view_mask(view) -> torch.Tensor | None:
     return None if m is None else torch.from_numpy(m)
 
 
-def evaluate(splats: dict, sh_degree: int, test_views: list, cfg: EvaluateConfig, *, renders_dir: Path | None = None,
+def evaluate(splats: Splats, sh_degree: int, test_views: list, cfg: EvaluateConfig, *, renders_dir: Path | None = None,
              split_rule: str | None = None, train_json: Path | None = None, progress: bool = True,
              lpips: LpipsSet | None = None, resolution: dict | None = None) -> tuple[dict, "object"]:
     """Score ``splats`` on ``test_views``; returns ``(summary dict, per-view DataFrame)`` (validated)."""
@@ -179,16 +148,14 @@ def evaluate(splats: dict, sh_degree: int, test_views: list, cfg: EvaluateConfig
     run_dev = devices.resolve(cfg.backend)
     backend, dev = run_dev.backend, run_dev.device
     devices.reset_peak_memory(run_dev)
-    model = PreparedModel.from_splats(splats, sh_degree, device=dev)
+    model = Splats.of(splats).to(dev)  # once for all views
     lpips = (lpips if lpips is not None else LpipsSet(cfg.lpips_variants, cfg.lpips_backbone_dir)).to(dev)
 
     rows, masked_fracs = [], []
     with torch.no_grad():
-        model.render(test_views[0], backend)  # untimed warm-up (kernel compilation / caches)
+        render_timed(model, test_views[0], sh_degree, backend)  # untimed warm-up (kernel compilation / caches)
         for view in tqdm(test_views, desc="evaluate", unit="view", disable=not progress):
-            t0 = time.perf_counter()
-            render = model.render(view, backend)  # [H, W, 3]
-            seconds = time.perf_counter() - t0
+            render, seconds = render_timed(model, view, sh_degree, backend)  # [H, W, 3]
             # one image pair on the device at a time: decoded on the host, uploaded, freed after the view
             src = getattr(view, "source_size", None)  # a larger file: area-downscaled as training's targets
             gt = read_rgb(Path(view.image_path), *(src or (int(view.width), int(view.height))))  # [H, W, 3]
@@ -232,7 +199,7 @@ def evaluate(splats: dict, sh_degree: int, test_views: list, cfg: EvaluateConfig
         "render_seconds_mean": mean_seconds,
         "fps": 1.0 / mean_seconds if mean_seconds > 0 else None,
         "gaussians": model.n,
-        "model_size_mb": round(model_size_mb(splats), 4),
+        "model_size_mb": round(model.size_mib, 4),
         "peak_rss_mb_evaluate": round(peak_rss_mb(), 1),
         "peak_rss_mb_train": _train_peak_rss(train_json),
         "device": devices.run_record(run_dev),

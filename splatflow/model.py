@@ -1,4 +1,5 @@
-"""Gaussian parameters: initialisation from SfM points, scene scale, checkpoint I/O.
+"""Gaussian parameters (:class:`Splats`), the checkpoint (:class:`Checkpoint`), one render of one view
+(:func:`render_view`), initialisation from SfM points and the scene scale.
 
 Parameter layout and activations follow gsplat's ``simple_trainer`` (docs/CONTRACTS.md "Checkpoint"):
 ``means`` world positions, ``quats`` wxyz (unnormalised), ``scales`` log scales, ``opacities`` logit opacity,
@@ -12,7 +13,10 @@ from __future__ import annotations
 import math
 import os
 import tempfile
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -75,7 +79,7 @@ def scene_scale(world_to_cams: np.ndarray) -> float:
 
 
 def init_splats(points: np.ndarray, colors_u8: np.ndarray, *, sh_degree: int = 3, init_opacity: float = 0.1,
-                init_scale: float = 1.0) -> dict[str, torch.Tensor]:
+                init_scale: float = 1.0) -> "Splats":
     """Gaussians from SfM points ``[P, 3]`` and colours ``[P, 3]`` uint8 (float32 CPU tensors).
 
     Raises UserError when there are too few points to initialise from.
@@ -100,8 +104,297 @@ def init_splats(points: np.ndarray, colors_u8: np.ndarray, *, sh_degree: int = 3
     rgb = torch.from_numpy(np.asarray(colors_u8, dtype=np.float32) / 255.0)  # [N, 3]
     sh0 = rgb_to_sh0(rgb).unsqueeze(1)  # [N, 1, 3]
     shN = torch.zeros(n, num_sh_bases(sh_degree) - 1, 3, device="cpu")  # [N, K-1, 3]
-    return {"means": means, "quats": quats, "scales": scales, "opacities": opacities,
-            "sh0": sh0.contiguous(), "shN": shN}
+    return Splats(means=means, quats=quats, scales=scales, opacities=opacities, sh0=sh0.contiguous(), shN=shN)
+
+
+
+
+# --------------------------------------------------------------------------------------------- Splats
+
+
+@dataclass(frozen=True)
+class Activated:
+    """Rasterizer inputs (``splatflow.render.rasterize``): real scales, opacities in [0, 1], SH ``[N, K, 3]``."""
+
+    means: torch.Tensor  # [N, 3]
+    quats: torch.Tensor  # [N, 4] wxyz, not necessarily unit (the rasterizer normalises)
+    scales: torch.Tensor  # [N, 3]
+    opacities: torch.Tensor  # [N]
+    colors: torch.Tensor  # [N, K, 3]
+
+
+@dataclass(frozen=True)
+class Splats:
+    """The six raw parameter tensors of N Gaussians, as they are trained and stored.
+
+    ``scales`` are log scales and ``opacities`` logits, so Adam works on unconstrained values; :meth:`activated`
+    turns them into what the rasterizer takes. The tensors are held, not copied: a ``Splats`` over a trainer's
+    ``torch.nn.Parameter`` dict renders with gradients flowing back to them. Key access (``splats["means"]``,
+    ``keys()``, ``items()``, ``in``) reads the same tensors in checkpoint order, for code written against the
+    dict layout of gsplat's strategies.
+    """
+
+    means: torch.Tensor  # [N, 3] world positions
+    quats: torch.Tensor  # [N, 4] wxyz
+    scales: torch.Tensor  # [N, 3] log scales
+    opacities: torch.Tensor  # [N] logit opacities
+    sh0: torch.Tensor  # [N, 1, 3] DC SH coefficient
+    shN: torch.Tensor  # [N, K-1, 3] higher SH bands, K = (max_sh_degree + 1)^2
+
+    # ---------------------------------------------------------------------------------------- construction
+    @classmethod
+    def of(cls, obj: "Splats | Mapping[str, torch.Tensor]", source: str = "splats") -> "Splats":
+        """``obj`` itself, or a ``Splats`` over a dict's six tensors (no copy). A missing key raises
+        :class:`UserError` naming ``source`` and the keys."""
+        if isinstance(obj, Splats):
+            return obj
+        missing = [k for k in SPLAT_KEYS if k not in obj]
+        if missing:
+            raise UserError(f"{source}: lacks {', '.join(missing)} (a model needs {', '.join(SPLAT_KEYS)}); "
+                            "rerun the stage that wrote it")
+        return cls(**{k: obj[k] for k in SPLAT_KEYS})
+
+    @classmethod
+    def empty(cls, sh_degree: int = 0, device: torch.device | str = "cpu") -> "Splats":
+        """No Gaussians, with room for SH bands up to ``sh_degree``."""
+        z = lambda *shape: torch.zeros(*shape, device=device)  # noqa: E731
+        return cls(z(0, 3), z(0, 4), z(0, 3), z(0), z(0, 1, 3), z(0, num_sh_bases(sh_degree) - 1, 3))
+
+    # ---------------------------------------------------------------------------------------- dict view
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in SPLAT_KEYS:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in SPLAT_KEYS
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(SPLAT_KEYS)
+
+    def keys(self) -> tuple[str, ...]:
+        return SPLAT_KEYS
+
+    def values(self) -> list[torch.Tensor]:
+        return [getattr(self, k) for k in SPLAT_KEYS]
+
+    def items(self) -> list[tuple[str, torch.Tensor]]:
+        return [(k, getattr(self, k)) for k in SPLAT_KEYS]
+
+    def as_dict(self) -> dict[str, torch.Tensor]:
+        """A new dict over the same tensors (gsplat strategies' ``params`` layout)."""
+        return {k: getattr(self, k) for k in SPLAT_KEYS}
+
+    def map(self, fn) -> "Splats":
+        """A ``Splats`` of ``fn(tensor)`` for each of the six tensors."""
+        return Splats(**{k: fn(getattr(self, k)) for k in SPLAT_KEYS})
+
+    # ---------------------------------------------------------------------------------------- facts
+    @property
+    def n(self) -> int:
+        """Number of Gaussians."""
+        return int(self.means.shape[0])
+
+    @property
+    def device(self) -> torch.device:
+        return self.means.device
+
+    @property
+    def max_sh_degree(self) -> int:
+        """The highest SH degree the coefficients have room for (``shN`` holds ``(d+1)^2 - 1`` bands)."""
+        return int(round(math.sqrt(self.shN.shape[1] + 1))) - 1
+
+    @property
+    def bytes_per_gaussian(self) -> int:
+        return sum(int(math.prod(t.shape[1:])) * t.element_size() for t in self.values())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the six tensors as held (float32 in every checkpoint: what an uncompressed model weighs)."""
+        return sum(int(t.numel()) * t.element_size() for t in self.values())
+
+    @property
+    def size_mib(self) -> float:
+        """:attr:`nbytes` in MiB (2^20 bytes), the one unit of every model size splatflow reports."""
+        return self.nbytes / 2**20
+
+    # ---------------------------------------------------------------------------------------- views and copies
+    def activated(self, sh_degree: int | None = None) -> Activated:
+        """Rasterizer inputs: ``exp`` of the log scales, ``sigmoid`` of the logits, ``sh0`` and ``shN`` joined
+        into ``colors [N, K, 3]``, only the ``(sh_degree+1)^2`` active bands when ``sh_degree`` is given.
+        Differentiable: gradients reach the raw tensors."""
+        k = self.shN.shape[1] + 1 if sh_degree is None else num_sh_bases(sh_degree)
+        if k > self.shN.shape[1] + 1:
+            raise ValueError(f"sh_degree {sh_degree} needs {k} SH coefficients per channel; these splats hold "
+                             f"{self.shN.shape[1] + 1} (max degree {self.max_sh_degree})")
+        return Activated(means=self.means, quats=self.quats, scales=torch.exp(self.scales),
+                         opacities=torch.sigmoid(self.opacities),
+                         colors=torch.cat([self.sh0, self.shN[:, : k - 1]], dim=1))  # [N, K, 3]
+
+    def select(self, idx: torch.Tensor) -> "Splats":
+        """The Gaussians ``idx`` (indices or a ``[N]`` bool mask), as detached contiguous copies."""
+        if isinstance(idx, torch.Tensor) and idx.dtype == torch.bool and idx.shape != (self.n,):
+            raise ValueError(f"a boolean selection must have shape ({self.n},), got {tuple(idx.shape)}")
+        idx = idx.to(self.device) if isinstance(idx, torch.Tensor) else idx
+        return self.map(lambda t: t.detach()[idx].contiguous().clone())
+
+    def detach(self) -> "Splats":
+        return self.map(lambda t: t.detach())
+
+    def clone(self) -> "Splats":
+        """Detached copies (the parameters of a result, no longer tied to a training run)."""
+        return self.map(lambda t: t.detach().clone())
+
+    def stored(self, copy: bool = True) -> "Splats":
+        """Detached float32 contiguous CPU tensors, as every checkpoint holds them: copies, or with
+        ``copy=False`` only where the tensors are not so already."""
+        return self.map(lambda t: t.detach().to("cpu", torch.float32, copy=copy).contiguous())
+
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "Splats":
+        """On ``device`` (and as ``dtype``); tensors already there are not copied."""
+        return self.map(lambda t: t.to(device=device, dtype=dtype))
+
+    # ---------------------------------------------------------------------------------------- checks
+    def validate(self, source: str = "splats", fix: str = "rerun the stage that wrote it") -> "Splats":
+        """``self`` when the six tensors form a model; else :class:`UserError` naming ``source``, the tensor, what
+        is wrong with it and ``fix``. Checks: tensors of a floating dtype on one device, the shapes of the
+        layout with one N, a number of SH bands of a degree 0..3, finite values, no all-zero quaternion."""
+        def bad(msg: str) -> UserError:
+            return UserError(f"{source}: {msg}; {fix}")
+
+        for k in SPLAT_KEYS:
+            t = getattr(self, k)
+            if not isinstance(t, torch.Tensor):
+                raise bad(f"{k} is a {type(t).__name__}, not a tensor")
+            if not t.is_floating_point():
+                raise bad(f"{k} has dtype {t.dtype}, expected a floating dtype (float32)")
+        devices = {str(getattr(self, k).device) for k in SPLAT_KEYS}
+        if len(devices) > 1:
+            raise bad(f"the tensors live on different devices ({', '.join(sorted(devices))})")
+        n = self.means.shape[0] if self.means.dim() >= 1 else -1
+        expected = {"means": (n, 3), "quats": (n, 4), "scales": (n, 3), "opacities": (n,), "sh0": (n, 1, 3)}
+        for k, shape in expected.items():
+            got = tuple(getattr(self, k).shape)
+            if got != shape:
+                raise bad(f"{k} has shape {got}, expected {shape} (N = {n} from means)")
+        sh = tuple(self.shN.shape)
+        if len(sh) != 3 or sh[0] != n or sh[2] != 3 or sh[1] + 1 not in (1, 4, 9, 16):
+            raise bad(f"shN has shape {sh}, expected ({n}, K-1, 3) with K = (d+1)^2 for an SH degree d in 0..3")
+        if n == 0:
+            return self
+        for k in SPLAT_KEYS:
+            t = getattr(self, k)
+            finite = torch.isfinite(t.detach())
+            if not bool(finite.all()):
+                rows = int((~finite.reshape(n, -1).all(dim=1)).sum())
+                raise bad(f"{k} holds NaN/Inf values in {rows} of {n} Gaussians")
+        zero = int((self.quats.detach().abs().sum(dim=1) == 0).sum())
+        if zero:
+            raise bad(f"quats holds {zero} all-zero quaternions (no rotation can be made from them)")
+        return self
+
+    # ---------------------------------------------------------------------------------------- checkpoints
+    @classmethod
+    def from_checkpoint(cls, ckpt: "Checkpoint | Mapping | str | Path") -> "Splats":
+        """The validated float32 CPU parameters of a :class:`Checkpoint`, of its dict or of a checkpoint file."""
+        if isinstance(ckpt, (str, Path)):
+            return Checkpoint.load(ckpt).splats
+        if not isinstance(ckpt, Checkpoint):
+            ckpt = Checkpoint.from_dict(ckpt)
+        return ckpt.splats
+
+    def to_checkpoint(self, sh_degree: int, step: int = 0, **fields_: Any) -> "Checkpoint":
+        """A :class:`Checkpoint` of these parameters (float32 CPU copies: a checkpoint never depends on the
+        device that wrote it); ``fields_`` are its other fields (``finished``, ``prune_during``, ``train``)."""
+        return Checkpoint(splats=self.stored(), sh_degree=sh_degree, step=step, **fields_)
+
+
+# --------------------------------------------------------------------------------------------- rendering
+
+
+@torch.no_grad()
+def render_view(splats: Splats, camera, sh_degree: int, backend: str = "auto") -> torch.Tensor:
+    """One view ``[H, W, 3]`` in [0, 1], black background, on the splats' device.
+
+    ``camera`` has ``world_to_cam [4, 4]``, ``K [3, 3]``, ``width`` and ``height`` (a ``View`` of the scene or a
+    ``prune.Camera``). Only the active ``(sh_degree+1)^2`` SH bands are passed to the rasterizer. Move the splats
+    to the backend's device once (``splats.to(device)``), not per view: a mismatch raises.
+    """
+    from splatflow.render import rasterize, resolve_backend
+
+    name = resolve_backend(backend)
+    dev = splats.device
+    if (name == "cuda") != (dev.type == "cuda"):
+        raise ValueError(f"the {name!r} backend cannot render splats on {dev}; move them with splats.to(device)")
+    a = splats.activated(sh_degree)
+    viewmat = torch.as_tensor(np.asarray(camera.world_to_cam), dtype=torch.float32, device=dev)[None]  # [1, 4, 4]
+    K = torch.as_tensor(np.asarray(camera.K), dtype=torch.float32, device=dev)[None]  # [1, 3, 3]
+    colors, _, _ = rasterize(a.means, a.quats, a.scales, a.opacities, a.colors, viewmat, K, int(camera.width),
+                             int(camera.height), sh_degree=sh_degree, backend=name)
+    return colors[0, ..., :3].clamp(0.0, 1.0)  # [H, W, 3]
+
+
+# --------------------------------------------------------------------------------------------- Checkpoint
+
+@dataclass
+class Checkpoint:
+    """A model on disk: the parameters, the SH degree to render with, and what the writer adds.
+
+    On disk it is a plain dict (:meth:`to_dict`, docs/CONTRACTS.md "Checkpoint"): ``splats`` (the six float32 CPU
+    tensors), ``sh_degree`` and ``step`` always; ``finished`` and ``prune_during`` when set; train's resume state
+    (:attr:`train`: optimizer, strategy, RNG and stopper state, config hash, seed, ...) as further top-level keys.
+    Readers ignore keys they do not know and default the ones a file lacks, so checkpoints written before this
+    type existed (the same keys, tensors possibly saved as parameters, float64 or non-contiguous) still load
+    (:meth:`from_dict`). Every tensor is on the CPU whatever device wrote it.
+    """
+
+    splats: Splats
+    sh_degree: int
+    step: int = 0
+    finished: bool | None = None  # train: False while a run is unfinished (resumable); None: not a training run
+    prune_during: dict | None = None  # train.prune_during's state; its "report" has "cuts", "phases", ...
+    train: dict = field(default_factory=dict)  # the trainer's resume state (top-level keys on disk)
+
+    def to_dict(self) -> dict:
+        d: dict[str, Any] = {"splats": self.splats.stored(copy=False).as_dict(), "sh_degree": int(self.sh_degree),
+                             "step": int(self.step)}
+        if self.finished is not None:
+            d["finished"] = bool(self.finished)
+        if self.prune_during is not None:
+            d["prune_during"] = self.prune_during
+        clash = sorted(set(self.train) & (set(d) | {"finished", "prune_during"}))
+        if clash:
+            raise ValueError(f"train state keys {clash} would overwrite the checkpoint's own entries")
+        d.update(self.train)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping, source: str = "checkpoint") -> "Checkpoint":
+        """Read a checkpoint dict (this layout or an earlier one: see the class); the splats are validated and
+        made float32 contiguous CPU tensors. Errors name ``source``."""
+        fix = "delete it and rerun the stage that wrote it"
+        if not isinstance(d, Mapping) or "splats" not in d:
+            raise UserError(f"{source}: not a splatflow checkpoint (no 'splats' entry); {fix}")
+        splats = Splats.of(d["splats"], source).validate(source, fix).stored(copy=False)
+        own = {f.name for f in fields(cls)}
+        finished = d.get("finished")
+        return cls(splats=splats, sh_degree=int(d.get("sh_degree", 0)), step=int(d.get("step", 0)),
+                   finished=None if finished is None else bool(finished), prune_during=d.get("prune_during"),
+                   train={k: v for k, v in d.items() if k not in own})
+
+    @property
+    def resumable(self) -> bool:
+        """An unfinished training run (``finished`` False) that carries its optimizer state."""
+        return self.finished is False and "optimizers" in self.train
+
+    def save(self, path: str | Path) -> None:
+        save_checkpoint(path, self.to_dict())
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Checkpoint":
+        """The checkpoint at ``path``; :class:`UserError` naming the file when it is missing, unreadable or
+        not a valid model."""
+        return cls.from_dict(load_checkpoint(path), str(path))
 
 
 def save_checkpoint(path: str | Path, payload: dict) -> None:
@@ -125,7 +418,8 @@ def save_checkpoint(path: str | Path, payload: dict) -> None:
 
 
 def load_checkpoint(path: str | Path) -> dict:
-    """The raw checkpoint dict (CPU tensors). Raises UserError for a missing or unreadable file."""
+    """The raw checkpoint dict (CPU tensors), unvalidated: :meth:`Checkpoint.load` reads it as a model.
+    Raises UserError for a missing or unreadable file."""
     path = Path(path)
     if not path.exists():
         raise UserError(f"{path}: checkpoint not found; run the stage that writes it (e.g. `dvc repro train`)")
@@ -138,23 +432,7 @@ def load_checkpoint(path: str | Path) -> dict:
     return ckpt
 
 
-def load_splats(path: str | Path) -> tuple[dict[str, torch.Tensor], int]:
-    """``(splats, sh_degree)`` from a checkpoint written by train or prune (docs/CONTRACTS.md)."""
-    ckpt = load_checkpoint(path)
-    splats = ckpt["splats"]
-    missing = [k for k in SPLAT_KEYS if k not in splats]
-    if missing:
-        raise UserError(f"{path}: checkpoint lacks {', '.join(missing)}; delete it and rerun the stage")
-    splats = {k: splats[k].detach().float().cpu() for k in SPLAT_KEYS}
-    return splats, int(ckpt.get("sh_degree", 0))
-
-
-def activated_for_render(splats: dict[str, torch.Tensor], sh_degree: int,
-                         device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """Rasterizer inputs from stored parameters, on ``device``: real scales, opacities in [0, 1], and the SH
-    bands up to ``sh_degree`` as ``colors [N, (sh_degree+1)^2, 3]``."""
-    s = {k: splats[k].to(device) for k in SPLAT_KEYS}
-    k = (sh_degree + 1) ** 2
-    return {"means": s["means"], "quats": s["quats"], "scales": torch.exp(s["scales"]),
-            "opacities": torch.sigmoid(s["opacities"]),
-            "colors": torch.cat([s["sh0"], s["shN"][:, : k - 1]], dim=1)}  # [N, K, 3]
+def load_splats(path: str | Path) -> tuple[Splats, int]:
+    """``(splats, sh_degree)`` from a checkpoint written by train or prune (float32 CPU, validated)."""
+    ckpt = Checkpoint.load(path)
+    return ckpt.splats, ckpt.sh_degree

@@ -52,10 +52,10 @@ import torch
 from tqdm.auto import tqdm
 
 from splatflow.errors import UserError
-from splatflow.model import SPLAT_KEYS
+from splatflow.model import Splats, render_view
 
 # A recovery fine-tune: (splats, sh_degree, steps, description) -> fine-tuned splats (detached float32 CPU).
-FinetuneFn = Callable[[dict, int, int, str], dict]
+FinetuneFn = Callable[[Splats, int, int, str], Splats]
 SCORES = ("significance", "removal")
 
 
@@ -87,17 +87,6 @@ def cameras_at(views: Sequence, factor: float) -> list[Camera]:
 # --------------------------------------------------------------------------------------------- scoring
 
 
-def activated(splats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Rasterizer inputs from stored parameters: real scales, opacities in [0, 1], SH ``[N, K, 3]``."""
-    return {
-        "means": splats["means"],
-        "quats": splats["quats"],
-        "scales": torch.exp(splats["scales"]),
-        "opacities": torch.sigmoid(splats["opacities"]),
-        "colors": torch.cat([splats["sh0"], splats["shN"]], dim=1),  # [N, K, 3]
-    }
-
-
 def volume_weight(log_scales: torch.Tensor, beta: float = 0.1, ref_quantile: float = 0.1) -> torch.Tensor:
     """LightGaussian's ``gamma(Sigma) = clamp(V / V_ref, 0, 1) ** beta`` per Gaussian, ``[N]``.
 
@@ -123,7 +112,7 @@ def _backend_device(backend: str) -> tuple[str, torch.device]:
 
 
 @torch.no_grad()
-def view_weight_sums(splats: dict[str, torch.Tensor], cameras: Sequence[Camera], *, backend: str = "auto",
+def view_weight_sums(splats: Splats, cameras: Sequence[Camera], *, backend: str = "auto",
                      progress: bool = False, desc: str = "significance") -> torch.Tensor:
     """``sum over views of info["weight_sum"]``: each Gaussian's summed ``alpha * T`` over all pixels, ``[N]``.
 
@@ -133,8 +122,8 @@ def view_weight_sums(splats: dict[str, torch.Tensor], cameras: Sequence[Camera],
     from splatflow.render import rasterize
 
     backend, dev = _backend_device(backend)
-    a = {k: v.to(dev) for k, v in activated(splats).items()}
-    n = a["means"].shape[0]
+    a = Splats.of(splats).to(dev).activated()
+    n = a.means.shape[0]
     total = torch.zeros(n, dtype=torch.float64, device="cpu")  # scores live on the host
     if n == 0:
         return total
@@ -142,7 +131,7 @@ def view_weight_sums(splats: dict[str, torch.Tensor], cameras: Sequence[Camera],
     for cam in tqdm(cameras, desc=desc, disable=not progress, leave=False):
         viewmat = torch.as_tensor(cam.world_to_cam, dtype=torch.float32, device=dev)[None]  # [1, 4, 4]
         K = torch.as_tensor(cam.K, dtype=torch.float32, device=dev)[None]  # [1, 3, 3]
-        _, _, info = rasterize(a["means"], a["quats"], a["scales"], a["opacities"], rgb, viewmat, K,
+        _, _, info = rasterize(a.means, a.quats, a.scales, a.opacities, rgb, viewmat, K,
                                cam.width, cam.height, backend=backend, return_stats=True)
         if "weight_sum" not in info:
             # gsplat's CUDA rasterizer has no per-Gaussian weight output; our wrapper must provide it.
@@ -152,15 +141,15 @@ def view_weight_sums(splats: dict[str, torch.Tensor], cameras: Sequence[Camera],
     return total
 
 
-def significance(splats: dict[str, torch.Tensor], cameras: Sequence[Camera], *, beta: float = 0.1,
+def significance(splats: Splats, cameras: Sequence[Camera], *, beta: float = 0.1,
                  ref_quantile: float = 0.1, backend: str = "auto", progress: bool = False) -> torch.Tensor:
     """LightGaussian global significance ``GS_j`` of every Gaussian over ``cameras`` (training views), ``[N]``."""
     weights = view_weight_sums(splats, cameras, backend=backend, progress=progress)
-    return weights * volume_weight(splats["scales"], beta, ref_quantile)
+    return weights * volume_weight(Splats.of(splats).scales, beta, ref_quantile)
 
 
 @torch.no_grad()
-def removal_scores(splats: dict[str, torch.Tensor], sh_degree: int, cameras: Sequence[Camera],
+def removal_scores(splats: Splats, sh_degree: int, cameras: Sequence[Camera],
                    targets: Sequence[torch.Tensor], *, progress: bool = False) -> torch.Tensor:
     """Each Gaussian's removal cost over ``cameras``: how much the summed squared error against ``targets``
     (training images ``[H, W, 3]``) would grow if it alone were removed, ``[N]`` (may be negative).
@@ -178,15 +167,14 @@ def removal_scores(splats: dict[str, torch.Tensor], sh_degree: int, cameras: Seq
     """
     from splatflow.render import removal_loss
 
-    a = {k: v.cpu() for k, v in activated(splats).items()}  # the removal kernels are the CPU ones (see below)
-    n = a["means"].shape[0]
+    a = Splats.of(splats).to("cpu").activated(sh_degree)  # the removal kernels are the CPU ones (see above)
+    n = a.means.shape[0]
     total = torch.zeros(n, dtype=torch.float64, device="cpu")
-    sh = a["colors"][:, : (sh_degree + 1) ** 2]
     for i in tqdm(range(len(cameras)), desc="removal cost", disable=not progress, leave=False):
         cam, tgt = cameras[i], targets[i]
         viewmat = torch.as_tensor(cam.world_to_cam, dtype=torch.float32, device="cpu")[None]  # [1, 4, 4]
         K = torch.as_tensor(cam.K, dtype=torch.float32, device="cpu")[None]  # [1, 3, 3]
-        _, inc = removal_loss(a["means"], a["quats"], a["scales"], a["opacities"], sh, viewmat, K, cam.width,
+        _, inc = removal_loss(a.means, a.quats, a.scales, a.opacities, a.colors, viewmat, K, cam.width,
                               cam.height, sh_degree=sh_degree, target=tgt[None])
         total += inc[0].double()
     return total
@@ -202,16 +190,6 @@ def top_indices(scores: torch.Tensor, n_keep: int) -> torch.Tensor:
     return torch.sort(order[:n_keep]).values
 
 
-def select(splats: dict[str, torch.Tensor], idx: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The Gaussians ``idx`` of every parameter (detached contiguous copies)."""
-    return {k: splats[k].detach()[idx].contiguous().clone() for k in SPLAT_KEYS}
-
-
-def splats_size_mb(splats: dict[str, torch.Tensor]) -> float:
-    """Size of the parameters as stored (float32), in MB (10^6 bytes): what pruning saves on disk."""
-    return sum(splats[k].numel() * splats[k].element_size() for k in SPLAT_KEYS) / 1e6
-
-
 def keep_schedule(keep_first: float, keep_decay: float, phases: int) -> list[float]:
     """Cumulative keep fractions of the original count, one per phase; phases that keep everything are dropped.
 
@@ -225,29 +203,15 @@ def keep_schedule(keep_first: float, keep_decay: float, phases: int) -> list[flo
 
 
 @torch.no_grad()
-def render_rgb(splats: dict[str, torch.Tensor], sh_degree: int, cam: Camera, backend: str = "auto") -> torch.Tensor:
-    """One view ``[H, W, 3]`` in [0, 1] (black background, as training)."""
-    from splatflow.render import rasterize
-
-    backend, dev = _backend_device(backend)
-    a = {k: v.to(dev) for k, v in activated(splats).items()}
-    viewmat = torch.as_tensor(cam.world_to_cam, dtype=torch.float32, device=dev)[None]  # [1, 4, 4]
-    K = torch.as_tensor(cam.K, dtype=torch.float32, device=dev)[None]  # [1, 3, 3]
-    sh = a["colors"][:, : (sh_degree + 1) ** 2]  # [N, K', 3]: only the active bands
-    colors, _, _ = rasterize(a["means"], a["quats"], a["scales"], a["opacities"], sh, viewmat, K,
-                             cam.width, cam.height, sh_degree=sh_degree, backend=backend)
-    return colors[0, ..., :3].clamp(0.0, 1.0).cpu()  # [H, W, 3]
-
-
-@torch.no_grad()
-def mean_psnr(splats: dict[str, torch.Tensor], sh_degree: int, cameras: Sequence[Camera],
+def mean_psnr(splats: Splats, sh_degree: int, cameras: Sequence[Camera],
               targets: Sequence[torch.Tensor], backend: str = "auto") -> float:
-    """Mean per-view PSNR (dB) of renders against ``targets`` ``[H, W, 3]`` in [0, 1]."""
+    """Mean per-view PSNR (dB) of renders (black background, as training) against ``targets`` ``[H, W, 3]``
+    in [0, 1] (host tensors)."""
     from splatflow.metrics import psnr
 
-    _, dev = _backend_device(backend)
-    splats = {k: v.to(dev) for k, v in splats.items()}  # once, not per view
-    vals = [psnr(render_rgb(splats, sh_degree, cam, backend), tgt) for cam, tgt in zip(cameras, targets)]
+    backend, dev = _backend_device(backend)
+    splats = Splats.of(splats).to(dev)  # once, not per view
+    vals = [psnr(render_view(splats, cam, sh_degree, backend).cpu(), tgt) for cam, tgt in zip(cameras, targets)]
     return float(np.mean(vals)) if vals else float("nan")
 
 
@@ -263,11 +227,11 @@ def val_indices(n_train: int, n_val: int) -> list[int]:
 
 @dataclass
 class PruneResult:
-    splats: dict[str, torch.Tensor]
+    splats: Splats
     report: dict = field(default_factory=dict)
 
 
-def prune_phases(splats: dict[str, torch.Tensor], sh_degree: int, *, score_cameras: Sequence[Camera],
+def prune_phases(splats: Splats, sh_degree: int, *, score_cameras: Sequence[Camera],
                  val_cameras: Sequence[Camera], val_targets: Sequence[torch.Tensor], keep_fractions: Sequence[float],
                  finetune: FinetuneFn | None, finetune_steps: int, max_psnr_drop_db: float,
                  finetune_growth: float = 0.0, score: str = "significance", score_rounds: int = 1,
@@ -296,15 +260,16 @@ def prune_phases(splats: dict[str, torch.Tensor], sh_degree: int, *, score_camer
         raise ValueError(f"score must be one of {SCORES}, got {score!r}")
     if score == "removal" and (score_targets is None or len(score_targets) != len(score_cameras)):
         raise ValueError("score='removal' needs one target image per score camera")
-    n0 = int(splats["means"].shape[0])
+    splats = Splats.of(splats)
+    n0 = splats.n
     if n0 == 0:
         raise UserError("the trained checkpoint holds no Gaussians; rerun the train stage")
-    current = {k: splats[k].detach().clone() for k in SPLAT_KEYS}
+    current = splats.clone()
     first_phase = 1
     if resume is not None:
         import copy
 
-        current = {k: resume["splats"][k].to(splats[k].device) for k in SPLAT_KEYS}
+        current = Splats.of(resume["splats"]).to(splats.device)
         report = copy.deepcopy(resume["report"])
         psnr_before, accepted_psnr = report["val_psnr_before"], resume["accepted_psnr"]
         first_phase = int(resume["next_phase"])
@@ -312,7 +277,7 @@ def prune_phases(splats: dict[str, torch.Tensor], sh_degree: int, *, score_camer
         psnr_before = mean_psnr(current, sh_degree, val_cameras, val_targets, backend)
         report: dict = {
             "gaussians_before": n0,
-            "size_mb_before": round(splats_size_mb(current), 4),
+            "size_mb_before": round(current.size_mib, 4),
             "val_psnr_before": psnr_before,
             "phases": [],
             "stopped_early": False,
@@ -326,7 +291,7 @@ def prune_phases(splats: dict[str, torch.Tensor], sh_degree: int, *, score_camer
             continue
         t0 = time.perf_counter()
         n_keep = max(1, int(round(frac * n0)))
-        n_cur = current["means"].shape[0]
+        n_cur = current.n
         if n_keep >= n_cur:  # the schedule asks for nothing new (e.g. decay 1.0)
             continue
         candidate = current
@@ -337,14 +302,14 @@ def prune_phases(splats: dict[str, torch.Tensor], sh_degree: int, *, score_camer
             else:
                 scores = significance(candidate, score_cameras, beta=beta, ref_quantile=ref_quantile,
                                       backend=backend, progress=progress)
-            candidate = select(candidate, top_indices(scores, n_sub))
+            candidate = candidate.select(top_indices(scores, n_sub))
         steps = int(round(finetune_steps * float(frac) ** -finetune_growth)) if finetune is not None else 0
         if steps > 0:
             candidate = finetune(candidate, sh_degree, steps, f"recover phase {phase}")
         val = mean_psnr(candidate, sh_degree, val_cameras, val_targets, backend)
         ok = bool(val >= floor_db)
         record = {"phase": phase, "keep_fraction": round(float(frac), 6), "gaussians": n_keep,
-                  "size_mb": round(splats_size_mb(candidate), 4), "val_psnr": val, "finetune_steps": steps,
+                  "size_mb": round(candidate.size_mib, 4), "val_psnr": val, "finetune_steps": steps,
                   "accepted": ok, "seconds": round(time.perf_counter() - t0, 3)}
         report["phases"].append(record)
         bar.set_postfix(gaussians=n_keep, val_psnr=f"{val:.2f}")
@@ -361,8 +326,8 @@ def prune_phases(splats: dict[str, torch.Tensor], sh_degree: int, *, score_camer
             on_accepted({"splats": current, "report": report, "accepted_psnr": val, "next_phase": phase + 1})
     bar.close()
     report.update({
-        "gaussians_after": int(current["means"].shape[0]),
-        "size_mb_after": round(splats_size_mb(current), 4),
+        "gaussians_after": current.n,
+        "size_mb_after": round(current.size_mib, 4),
         "val_psnr_after": accepted_psnr,
     })
     return PruneResult(current, report)
@@ -413,12 +378,12 @@ def run_prune(cfg, train_cfg, *, train_ckpt, out_ckpt, undistorted_dir=None, spl
     file is removed once ``out_ckpt`` is written.
     """
     from splatflow import device as devices
-    from splatflow.model import load_checkpoint, save_checkpoint
+    from splatflow.model import Checkpoint
 
     run_dev = devices.resolve(cfg.backend)  # the validation renders and the recovery fine-tunes run here
     devices.reset_peak_memory(run_dev)
-    ckpt = load_checkpoint(train_ckpt)
-    splats, sh_degree = _checked_splats(ckpt, train_ckpt)
+    ckpt = Checkpoint.load(train_ckpt)  # validated float32 CPU splats
+    splats, sh_degree = ckpt.splats, ckpt.sh_degree
     if scene is None:
         from splatflow.scene.dataset import load_scene
 
@@ -429,24 +394,23 @@ def run_prune(cfg, train_cfg, *, train_ckpt, out_ckpt, undistorted_dir=None, spl
     schedule = keep_schedule(cfg.keep_first, cfg.keep_decay, cfg.phases) if cfg.enabled else []
     val_cams, val_targets = val_set(scene, cfg.val_views, cfg.val_factor)
 
-    during = (ckpt.get("prune_during") or {}).get("report") or {}
+    during = (ckpt.prune_during or {}).get("report") or {}
     if during.get("cuts"):  # pruned inside training (train.prune_during): verify and copy, never cut again
         from splatflow.train.prune_during import verify
 
-        result = PruneResult({k: v.clone() for k, v in splats.items()},
+        result = PruneResult(splats.clone(),
                              verify(during, splats, mean_psnr(splats, sh_degree, val_cams, val_targets, cfg.backend)))
     elif not schedule:  # no-op: copy the trained splats, still measure and write everything
         psnr = mean_psnr(splats, sh_degree, val_cams, val_targets, cfg.backend)
         why = "prune.enabled is false" if not cfg.enabled else "the keep schedule keeps every Gaussian"
-        result = PruneResult({k: v.clone() for k, v in splats.items()}, {
-            "gaussians_before": int(splats["means"].shape[0]), "size_mb_before": round(splats_size_mb(splats), 4),
+        result = PruneResult(splats.clone(), {
+            "gaussians_before": splats.n, "size_mb_before": round(splats.size_mib, 4),
             "val_psnr_before": psnr, "phases": [], "stopped_early": False, "stop_reason": f"no-op: {why}",
-            "gaussians_after": int(splats["means"].shape[0]), "size_mb_after": round(splats_size_mb(splats), 4),
-            "val_psnr_after": psnr})
+            "gaussians_after": splats.n, "size_mb_after": round(splats.size_mib, 4), "val_psnr_after": psnr})
     else:
         from splatflow.train import finetune as _finetune
 
-        def recover(s: dict, deg: int, steps: int, desc: str) -> dict:
+        def recover(s: Splats, deg: int, steps: int, desc: str) -> Splats:
             return _finetune(s, scene, steps, train_cfg, sh_degree=deg, seed=seed, progress=cfg.progress,
                              backend=cfg.backend, means_lr_factor=cfg.finetune_means_lr)
 
@@ -467,8 +431,7 @@ def run_prune(cfg, train_cfg, *, train_ckpt, out_ckpt, undistorted_dir=None, spl
             on_accepted=None if phases_ckpt is None else lambda state: save_phases(phases_ckpt, key, state))
         result.report["resumed_after_phase"] = None if resume is None else int(resume["next_phase"]) - 1
 
-    save_checkpoint(out_ckpt, {"splats": {k: result.splats[k].float().contiguous() for k in SPLAT_KEYS},
-                               "sh_degree": sh_degree, "step": int(ckpt.get("step", 0))})
+    result.splats.to_checkpoint(sh_degree, step=ckpt.step).save(out_ckpt)  # no optimizer or resume state
     r = result.report
     order = ("gaussians_before", "gaussians_after", "size_mb_before", "size_mb_after", "val_psnr_before",
              "val_psnr_after", "phases", "stopped_early", "stop_reason")
@@ -483,21 +446,6 @@ def run_prune(cfg, train_cfg, *, train_ckpt, out_ckpt, undistorted_dir=None, spl
 
         Path(phases_ckpt).unlink(missing_ok=True)  # the result is written: nothing left to resume
     return metrics
-
-
-def _checked_splats(ckpt: dict, path) -> tuple[dict[str, torch.Tensor], int]:
-    """The checkpoint's splats as float32 CPU tensors, with their shapes checked against each other."""
-    splats = ckpt["splats"]
-    missing = [k for k in SPLAT_KEYS if k not in splats]
-    if missing:
-        raise UserError(f"{path}: checkpoint lacks {', '.join(missing)}; rerun the train stage")
-    splats = {k: splats[k].detach().float().cpu().contiguous() for k in SPLAT_KEYS}
-    n = splats["means"].shape[0]
-    bad = [k for k in SPLAT_KEYS if splats[k].shape[0] != n]
-    if bad or not all(torch.isfinite(v).all() for v in splats.values()):
-        raise UserError(f"{path}: inconsistent or non-finite Gaussian parameters ({', '.join(bad) or 'NaN/Inf'}); "
-                        "rerun the train stage")
-    return splats, int(ckpt.get("sh_degree", 0))
 
 
 # --------------------------------------------------------------------------------------------- phase checkpoints
@@ -530,8 +478,7 @@ def save_phases(path, key: str, state: dict) -> None:
     from splatflow.model import save_checkpoint
 
     with stop.cooperative():
-        save_checkpoint(path, {"key": key, "splats": {k: state["splats"][k].detach().float().cpu().contiguous()
-                                                      for k in SPLAT_KEYS},
+        save_checkpoint(path, {"key": key, "splats": Splats.of(state["splats"]).stored().as_dict(),
                                "report": state["report"], "accepted_psnr": state["accepted_psnr"],
                                "next_phase": state["next_phase"]})
     stop.raise_if_requested(f"after saving prune phase {state['next_phase'] - 1} to {path}")

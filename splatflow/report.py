@@ -385,8 +385,8 @@ def build_report(paths: ScenePaths, *, preview_max_gaussians: int = 200000, prev
         _row("Gaussians (final)", _metric(m, "evaluate.gaussians", 0),
              f"trained: {fmt_value(tr.get('gaussians'), 0)}; kept after pruning: "
              f"{fmt_value(pr.get('keep_fraction_final'), 3)}"),
-        _row("model size", _metric(m, "evaluate.model_size_mb", 2, "MB"), "float32 parameters in memory"),
-        *[_row(f"exported .{fmt}", _metric(m, f"export.files.{fmt}.size_mb", 2, "MB"),
+        _row("model size", _metric(m, "evaluate.model_size_mb", 2, "MiB"), "float32 parameters in memory"),
+        *[_row(f"exported .{fmt}", _metric(m, f"export.files.{fmt}.size_mb", 2, "MiB"),
                f'<a href="{html.escape(rel(paths.export_dir / f"scene.{fmt}"))}">scene.{fmt}</a>')
           for fmt in (m["export"].get("files") or {})],
         _row("training time", _metric(m, "train.train_seconds", 1, "s"),
@@ -396,8 +396,8 @@ def build_report(paths: ScenePaths, *, preview_max_gaussians: int = 200000, prev
         _row("render speed", _metric(m, "evaluate.fps", 1, "frames/s"),
              html.escape(f"{protocol.get('backend', '')}, {protocol.get('threads', '')} threads; "
                          f"{protocol.get('render_timing', '')}")),
-        _row("peak memory (train)", _metric(m, "train.peak_rss_mb", 0, "MB"), "resident set size"),
-        _row("peak memory (evaluate)", _metric(m, "evaluate.peak_rss_mb_evaluate", 0, "MB"), ""),
+        _row("peak memory (train)", _metric(m, "train.peak_rss_mb", 0, "MiB"), "resident set size"),
+        _row("peak memory (evaluate)", _metric(m, "evaluate.peak_rss_mb_evaluate", 0, "MiB"), ""),
     ])
     sfm_rows = "".join([
         _row("registered images", _metric(m, "sfm.images_registered", 0)
@@ -458,7 +458,7 @@ def build_report(paths: ScenePaths, *, preview_max_gaussians: int = 200000, prev
 <p class=sub>Drag to orbit, right-drag to pan, scroll to zoom. Cameras (training in grey, <span
 style="color:#a85a12">test in orange</span>): click one to fly to it.</p>
 <div class=cams>{cams_html}</div>
-<p class=sub>Preview: {preview_note}, SH degree {prev_degree}, {len(spz) / 2**20:.2f} MB embedded. Full model:
+<p class=sub>Preview: {preview_note}, SH degree {prev_degree}, {len(spz) / 2**20:.2f} MiB embedded. Full model:
 <a href="{html.escape(rel(model_file))}">{html.escape(model_file.name)}</a>; interactive viewer with all
 controls: <code>splatflow view {html.escape(paths.scene)}</code>.</p>
 
@@ -535,9 +535,9 @@ def summary_markdown(paths: ScenePaths, *, run_url: str | None = None, report_lo
     h = headline(paths)
     rows = [("test PSNR (dB)", fmt_value(h["psnr"], 2)), ("test SSIM", fmt_value(h["ssim"], 4)),
             *[(LPIPS_NAMES[k], fmt_value(h[k], 4)) for k in LPIPS_NAMES if k in h],
-            ("Gaussians", fmt_value(h["gaussians"], 0)), ("model size (MB)", fmt_value(h["model_size_mb"], 2)),
+            ("Gaussians", fmt_value(h["gaussians"], 0)), ("model size (MiB)", fmt_value(h["model_size_mb"], 2)),
             ("training time (s)", fmt_value(h["train_seconds"], 1)), ("steps/s", fmt_value(h["steps_per_s"], 2)),
-            ("peak memory, train (MB)", fmt_value(h["peak_rss_mb_train"], 0)),
+            ("peak memory, train (MiB)", fmt_value(h["peak_rss_mb_train"], 0)),
             ("registered images", f"{fmt_value(h['registered'], 0)} / {fmt_value(h['images'], 0)}"),
             ("test views", fmt_value(h["test_views"], 0))]
     lines = [f"# splatflow: {paths.scene}", "", "| metric | value |", "|---|---|"]

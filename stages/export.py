@@ -25,7 +25,7 @@ def run(params: Params, paths: ScenePaths) -> dict:
             info["path"] = str(Path(info["path"]).resolve().relative_to(Path(paths.root).resolve()))
         except ValueError:
             pass
-        print(f"export [{paths.scene}]: {info['path']} {info['size_mb']:.2f} MB, {info['gaussians']} Gaussians, "
+        print(f"export [{paths.scene}]: {info['path']} {info['size_mb']:.2f} MiB, {info['gaussians']} Gaussians, "
               f"verified with {info['verified_with']}")
     return metrics
 

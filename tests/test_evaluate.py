@@ -17,7 +17,7 @@ from PIL import Image
 import splatflow.evaluate as ev
 from splatflow.config import params_from_dict
 from splatflow.lpips import BACKBONE_FILES, LPIPS, LpipsSet
-from splatflow.model import save_checkpoint
+from splatflow.model import Splats, render_view, save_checkpoint
 from splatflow.paths import ScenePaths
 from splatflow.scene.synthetic import write_colmap_text_model
 from splatflow.stage import write_metrics
@@ -60,12 +60,12 @@ def build_scene(root, n_views, test_every, w=W, h=H):
     paths.split_json.write_text(json.dumps({"train": train, "test": test, "rule": f"index % {test_every} == 0"}))
     img_dir = paths.undistorted_dir / "images"
     img_dir.mkdir(parents=True, exist_ok=True)
-    model = ev.PreparedModel.from_splats(splats, 1)
+    model = Splats.of(splats)
     from splatflow.scene.dataset import View
     for name, w2c in zip(names, w2cs):
         if name in test:
             v = View(name, img_dir / name, w, h, K, w2c)
-            img = (model.render(v, "cpu").numpy() * 255 + 0.5).astype(np.uint8)
+            img = (render_view(model, v, 1, "cpu").numpy() * 255 + 0.5).astype(np.uint8)
             Image.fromarray(img).save(img_dir / name, compress_level=1)
         else:
             (img_dir / name).write_bytes(b"training image: evaluation must never open this")

@@ -17,7 +17,7 @@ import torch
 
 from splatflow import prune
 from splatflow.config import PruneConfig, TrainConfig
-from splatflow.model import load_checkpoint, load_splats, save_checkpoint
+from splatflow.model import Splats, load_checkpoint, load_splats, render_view, save_checkpoint
 from splatflow.render.projection import project_gaussians
 
 W, H = 64, 48
@@ -83,7 +83,7 @@ def scene_files(tmp_path_factory):
     views = []
     for i, x in enumerate((-0.1, 0.0, 0.1, 0.05)):
         cam = prune.Camera(_w2c(x), K, W, H)
-        img = prune.render_rgb(splats, 1, cam, BACKEND).numpy()
+        img = render_view(Splats.of(splats), cam, 1, BACKEND).numpy()
         img = np.clip(img + rng.normal(0, 0.01, img.shape), 0, 1)
         path = root / f"view{i}.png"
         cv2.imwrite(str(path), cv2.cvtColor((img * 255).round().astype(np.uint8), cv2.COLOR_RGB2BGR))
@@ -103,11 +103,11 @@ def scene_files(tmp_path_factory):
 def brute_force_weight_sums(splats: dict, cams: list[prune.Camera]) -> torch.Tensor:
     """Dense compositing, no tiles: every pixel against every Gaussian in depth order (gsplat's rules:
     alpha = min(0.999, o exp(-sigma)), skip alpha < 1/255 or sigma < 0, stop before T would reach 1e-4)."""
-    a = prune.activated(splats)
-    total = torch.zeros(a["means"].shape[0], dtype=torch.float64)
+    a = Splats.of(splats).activated()
+    total = torch.zeros(a.means.shape[0], dtype=torch.float64)
     for cam in cams:
-        p = project_gaussians(a["means"].double(), a["quats"].double(), a["scales"].double(),
-                              a["opacities"].double(), torch.from_numpy(cam.world_to_cam)[None],
+        p = project_gaussians(a.means.double(), a.quats.double(), a.scales.double(),
+                              a.opacities.double(), torch.from_numpy(cam.world_to_cam)[None],
                               torch.from_numpy(cam.K)[None], cam.width, cam.height)
         valid = (p["radii"][0] > 0).all(-1)  # [N]
         ids = torch.nonzero(valid).flatten()
@@ -159,12 +159,12 @@ def test_keeps_exactly_the_significant_gaussians():
     assert float(scores[groups["transparent"]].max()) == 0.0 and float(scores[groups["behind"]].max()) == 0.0
     assert scores[groups["big"]].min() > 5 * scores[groups["hidden"]].max()
     assert scores[groups["big"]].min() > 5 * scores[groups["tiny"]].max()
-    sub = prune.select(splats, kept)
+    sub = Splats.of(splats).select(kept)
     assert all(torch.equal(sub[k], splats[k][kept]) for k in sub)
 
 
 def _targets(splats: dict, cams: list[prune.Camera], sh_degree: int = 1) -> list[torch.Tensor]:
-    return [prune.render_rgb(splats, sh_degree, cam, "torch") for cam in cams]
+    return [render_view(Splats.of(splats), cam, sh_degree, "torch") for cam in cams]
 
 
 def test_removal_scores_equal_removing_each_gaussian():
@@ -177,14 +177,14 @@ def test_removal_scores_equal_removing_each_gaussian():
     g = torch.Generator().manual_seed(1)
     targets = [torch.rand(H, W, 3, generator=g) for _ in cams]
     ours = prune.removal_scores(splats, 1, cams, targets)
-    a = prune.activated(splats)
-    n = a["means"].shape[0]
+    a = Splats.of(splats).activated()
+    n = a.means.shape[0]
 
     def sq_err(keep: torch.Tensor) -> float:
         total = 0.0
         for cam, tgt in zip(cams, targets):
-            img, _, _ = rasterize(a["means"][keep], a["quats"][keep], a["scales"][keep], a["opacities"][keep],
-                                  a["colors"][keep][:, :4], torch.from_numpy(cam.world_to_cam).float()[None],
+            img, _, _ = rasterize(a.means[keep], a.quats[keep], a.scales[keep], a.opacities[keep],
+                                  a.colors[keep][:, :4], torch.from_numpy(cam.world_to_cam).float()[None],
                                   torch.from_numpy(cam.K).float()[None], W, H, sh_degree=1, backend="torch")
             total += float(((img[0].double() - tgt.double()) ** 2).sum())
         return total

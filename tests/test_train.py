@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from splatflow.config import TrainConfig, params_from_dict
-from splatflow.model import init_splats, load_checkpoint, load_splats
-from splatflow.render import configure_threads, rasterize
+from splatflow.model import Splats, init_splats, load_checkpoint, load_splats, render_view
+from splatflow.render import configure_threads
 from splatflow.train import GradientHealthError, Trainer, finetune, photometric_loss, train
 from splatflow.train.loop import CSV_FIELDS
 from tests._tiny import write_tiny_scene
@@ -53,14 +53,8 @@ def test_view_psnr(splats, views, sh_degree) -> float:
 
     for v in views:
         target = torch.from_numpy(cv2.imread(str(v.image_path))[..., ::-1].copy()).float() / 255.0
-        k = (sh_degree + 1) ** 2
-        colors = torch.cat([splats["sh0"], splats["shN"][:, : k - 1]], 1)
-        rgb, _, _ = rasterize(splats["means"], splats["quats"], torch.exp(splats["scales"]),
-                              torch.sigmoid(splats["opacities"]), colors,
-                              torch.tensor(v.world_to_cam, dtype=torch.float32)[None],
-                              torch.tensor(v.K, dtype=torch.float32)[None], v.width, v.height, sh_degree=sh_degree,
-                              backend="cpu")
-        mse = float(((rgb[0].clamp(0, 1) - target) ** 2).mean())
+        rgb = render_view(Splats.of(splats), v, sh_degree, "cpu")  # [H, W, 3] in [0, 1]
+        mse = float(((rgb - target) ** 2).mean())
         vals.append(-10 * math.log10(mse))
     return float(np.mean(vals))
 

@@ -30,7 +30,7 @@ from splatflow.device import reset_peak_memory, run_record
 from splatflow.device import resolve as resolve_device
 from splatflow.device import to_device
 from splatflow.errors import UserError
-from splatflow.model import SPLAT_KEYS, init_splats, load_checkpoint, save_checkpoint, scene_scale
+from splatflow.model import SPLAT_KEYS, Checkpoint, Splats, init_splats, scene_scale
 from splatflow.scene.images import ImageCache
 from splatflow.train.prune_during import PruneDuring
 from splatflow.train.schedules import (BlurSchedule, ExpDecay, PlateauStopper, ResolutionSchedule, Schedules,
@@ -122,7 +122,7 @@ def config_hash(cfg: TrainConfig) -> str:
 
 @dataclass
 class TrainResult:
-    splats: dict[str, torch.Tensor]
+    splats: Splats
     sh_degree: int
     steps: int
     stopped: str
@@ -171,7 +171,8 @@ class Trainer:
         if splats is None:
             splats = init_splats(scene.points, scene.colors, sh_degree=cfg.sh_degree,
                                  init_opacity=cfg.init_opacity, init_scale=cfg.init_scale)
-        self.initial_count = int(splats["means"].shape[0])
+        splats = Splats.of(splats, "the initial splats").validate("the initial splats", "check where they come from")
+        self.initial_count = splats.n
         self.params = {k: torch.nn.Parameter(splats[k].detach().to(self.device, torch.float32, copy=True))
                        for k in SPLAT_KEYS}
         lrs = {"means": self.sched.means_lr.lr(0), "scales": cfg.lr.scales, "quats": cfg.lr.quats,
@@ -216,12 +217,10 @@ class Trainer:
         # only the window's pixels are converted and uploaded; K is the whole level's
         target, K = self.cache.get(i, factor, device=self.device, window=win)
         mask = self.cache.mask(i, factor, window=win)  # [H, W] bool keep-mask, None without masks
-        p = self.params
-        k = (sh_degree + 1) ** 2
-        colors = torch.cat([p["sh0"], p["shN"][:, : k - 1]], dim=1)  # [N, K, 3]
+        a = Splats.of(self.params).activated(sh_degree)  # differentiable: gradients reach self.params
         rgb, _, info = rasterize(
-            p["means"], p["quats"], torch.exp(p["scales"]), torch.sigmoid(p["opacities"]), colors,
-            self.viewmats[i][None], torch.as_tensor(K, dtype=torch.float32, device=self.device)[None], w, h,
+            a.means, a.quats, a.scales, a.opacities, a.colors, self.viewmats[i][None],
+            torch.as_tensor(K, dtype=torch.float32, device=self.device)[None], w, h,
             sh_degree=sh_degree, backgrounds=None if background is None else background[None],
             backend=self.cfg.backend, absgrad=self.cfg.densify.absgrad, window=win)
         info["loss_mask"] = None if mask is None else mask.to(target.device)  # read by train_step and validate
@@ -360,17 +359,13 @@ class Trainer:
                 "Training would run and learn nothing, so it stops here.")
 
     # ------------------------------------------------------------------------------------------ state
-    def state_dict(self, finished: bool, stopped: str = "") -> dict:
+    def state_dict(self, finished: bool, stopped: str = "") -> Checkpoint:
         """Everything an exact resume needs, with every tensor on the CPU (a checkpoint does not depend on the
         device it was written on: :meth:`load_state_dict` moves it to this run's device)."""
         rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
         if self.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
-        return {
-            "splats": {k: v.detach().cpu().clone() for k, v in self.params.items()},
-            "sh_degree": self.sched.sh.degree(max(self.step - 1, 0)),
-            "step": self.step,
-            "finished": finished,
+        train = {
             "stopped": stopped,
             "config_hash": config_hash(self.cfg),
             "seed": self.seed,
@@ -383,49 +378,56 @@ class Trainer:
             "elapsed_seconds": self.elapsed_s,
             "events": self.events,
             "val_psnr": self.val_psnr,
-            "prune_during": to_device(self.pruner.state_dict(), "cpu") if self.pruner is not None else None,
         }
+        return Splats.of(self.params).to_checkpoint(
+            self.sched.sh.degree(max(self.step - 1, 0)), self.step, finished=finished,
+            prune_during=to_device(self.pruner.state_dict(), "cpu") if self.pruner is not None else None,
+            train=train)
 
-    def load_state_dict(self, ckpt: dict) -> None:
-        self.params = {k: torch.nn.Parameter(ckpt["splats"][k].to(self.device, copy=True)) for k in SPLAT_KEYS}
+    def load_state_dict(self, ckpt: Checkpoint | dict) -> None:
+        """Continue from ``ckpt`` (a :class:`Checkpoint` or its dict, as written by :meth:`state_dict`)."""
+        if not isinstance(ckpt, Checkpoint):
+            ckpt = Checkpoint.from_dict(ckpt, str(self.ckpt_path or "checkpoint"))
+        st = ckpt.train
+        self.params = {k: torch.nn.Parameter(ckpt.splats[k].to(self.device, copy=True)) for k in SPLAT_KEYS}
         for k in SPLAT_KEYS:
             opt = _adam(self.params[k], 1.0)
-            opt.load_state_dict(to_device(ckpt["optimizers"][k], self.device))
+            opt.load_state_dict(to_device(st["optimizers"][k], self.device))
             self.optimizers[k] = opt
-        self.strategy_state = to_device(ckpt["strategy_state"], self.device)
-        self.initial_count = int(ckpt["initial_count"])
-        self.stopper.load_state_dict(ckpt["stopper"])
-        torch.set_rng_state(ckpt["rng"]["torch"])
-        np.random.set_state(ckpt["rng"]["numpy"])
-        random.setstate(ckpt["rng"]["python"])
-        if self.device.type == "cuda" and "cuda" in ckpt["rng"]:  # a CPU checkpoint resumed on a GPU reseeds it
-            torch.cuda.set_rng_state(ckpt["rng"]["cuda"], self.device)
-        self.step = int(ckpt["step"])
-        self.elapsed_s = float(ckpt["elapsed_seconds"])
-        self.events = list(ckpt.get("events", []))
-        self.val_psnr = ckpt.get("val_psnr")
-        if self.pruner is not None and ckpt.get("prune_during"):
-            self.pruner.load_state_dict(ckpt["prune_during"])
+        self.strategy_state = to_device(st["strategy_state"], self.device)
+        self.initial_count = int(st["initial_count"])
+        self.stopper.load_state_dict(st["stopper"])
+        torch.set_rng_state(st["rng"]["torch"])
+        np.random.set_state(st["rng"]["numpy"])
+        random.setstate(st["rng"]["python"])
+        if self.device.type == "cuda" and "cuda" in st["rng"]:  # a CPU checkpoint resumed on a GPU reseeds it
+            torch.cuda.set_rng_state(st["rng"]["cuda"], self.device)
+        self.step = ckpt.step
+        self.elapsed_s = float(st["elapsed_seconds"])
+        self.events = list(st.get("events", []))
+        self.val_psnr = st.get("val_psnr")
+        if self.pruner is not None and ckpt.prune_during:
+            self.pruner.load_state_dict(ckpt.prune_during)
 
     def try_resume(self) -> bool:
         """Continue from an unfinished checkpoint of the same config at ``ckpt_path``; True if resumed."""
         if not (self.cfg.resume and self.ckpt_path and self.ckpt_path.exists()):
             return False
         try:
-            ckpt = load_checkpoint(self.ckpt_path)
+            ckpt = Checkpoint.load(self.ckpt_path)
         except UserError:
             return False
-        if (ckpt.get("finished", True) or ckpt.get("config_hash") != config_hash(self.cfg)
-                or ckpt.get("seed") != self.seed or "optimizers" not in ckpt):
+        if (not ckpt.resumable or ckpt.train.get("config_hash") != config_hash(self.cfg)
+                or ckpt.train.get("seed") != self.seed):
             log.info("%s: not resuming (finished, or written with other train params/seed)", self.ckpt_path)
             return False
-        log.info("%s: resuming from step %d", self.ckpt_path, ckpt["step"])
+        log.info("%s: resuming from step %d", self.ckpt_path, ckpt.step)
         self.load_state_dict(ckpt)
         return True
 
     def save(self, finished: bool, stopped: str = "") -> None:
         if self.ckpt_path:
-            save_checkpoint(self.ckpt_path, self.state_dict(finished, stopped))
+            self.state_dict(finished, stopped).save(self.ckpt_path)
         self._flush_csv()
 
     def _flush_csv(self) -> None:
@@ -533,10 +535,9 @@ class Trainer:
                 pass
         done = self.step - start_step
         if saved and self.ckpt_path and stopped.startswith("nonfinite"):
-            ckpt = load_checkpoint(self.ckpt_path)  # the last good parameters
-            splats = {k: ckpt["splats"][k] for k in SPLAT_KEYS}
+            splats = Checkpoint.load(self.ckpt_path).splats  # the last good parameters
         else:
-            splats = {k: v.detach().cpu().clone() for k, v in self.params.items()}  # results live on the host
+            splats = Splats.of(self.params).to("cpu").clone()  # results live on the host
         train_s = self.elapsed_s
         return TrainResult(splats=splats, sh_degree=self.sched.sh.degree(max(self.step - 1, 0)), steps=self.step,
                            stopped=stopped, train_seconds=train_s,
@@ -575,9 +576,9 @@ def train(scene, cfg: TrainConfig, **kwargs) -> TrainResult:
     return Trainer(scene, cfg, **kwargs).run()
 
 
-def finetune(splats: dict[str, torch.Tensor], scene, steps: int, cfg: TrainConfig, *, sh_degree: int,
+def finetune(splats: Splats, scene, steps: int, cfg: TrainConfig, *, sh_degree: int,
              seed: int = 0, progress: bool = False, backend: str | None = None,
-             means_lr_factor: float | None = None) -> dict[str, torch.Tensor]:
+             means_lr_factor: float | None = None) -> Splats:
     """Recovery fine-tuning after pruning: ``steps`` plain steps on the training views, no densification.
 
     Full resolution, no blur, fixed ``sh_degree`` and the rates of ``cfg.lr``. The position learning rate is
@@ -598,7 +599,7 @@ def finetune(splats: dict[str, torch.Tensor], scene, steps: int, cfg: TrainConfi
                       sh=SHSchedule(sh_degree, 1, start_degree=sh_degree),
                       means_lr=ExpDecay(cfg.lr.means * sc * means_f, 1.0, cfg2.max_steps))
     if steps <= 0:
-        return {k: v.detach().clone() for k, v in splats.items()}
+        return Splats.of(splats).clone()
     state = random.getstate(), np.random.get_state(), torch.get_rng_state()
     random.seed(seed)
     try:

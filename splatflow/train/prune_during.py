@@ -31,7 +31,7 @@ import torch
 
 from splatflow.config import PruneDuringConfig
 from splatflow.errors import UserError
-from splatflow.model import SPLAT_KEYS
+from splatflow.model import SPLAT_KEYS, Splats
 
 log = logging.getLogger("splatflow.train")
 
@@ -235,7 +235,7 @@ class PruneDuring:
         return ok
 
     def _cut(self, trainer, step: int) -> None:
-        from splatflow.prune import Camera, removal_scores, select, top_indices, val_indices
+        from splatflow.prune import Camera, removal_scores, top_indices, val_indices
 
         t0 = time.perf_counter()
         frac = self.fractions[self.done]
@@ -251,12 +251,12 @@ class PruneDuring:
             cams.append(Camera(trainer.views[i].world_to_cam, K, img.shape[1], img.shape[0]))
             targets.append(img)
         dev = trainer.params["means"].device
-        candidate = {k: trainer.params[k].detach() for k in SPLAT_KEYS}
+        candidate = Splats.of(trainer.params).detach()
         rows = torch.arange(n_cur, device=dev)  # [N] the survivors' rows in the current model
         if n_keep < n_cur:
             for n_sub in sub_cut_sizes(n_cur, n_keep, self.cfg.score_rounds):
                 idx = top_indices(removal_scores(candidate, deg, cams, targets), n_sub).to(dev)
-                candidate = select(candidate, idx)
+                candidate = candidate.select(idx)
                 rows = rows.index_select(0, idx)
             keep_rows(trainer.params, trainer.optimizers, trainer.strategy_state, rows)
         self.done += 1
@@ -300,18 +300,19 @@ class PruneDuring:
         self.records, self.snap = [dict(r) for r in d["records"]], d["snap"]
 
 
-def verify(record: dict, splats: dict, val_psnr: float) -> dict:
+def verify(record: dict, splats: Splats, val_psnr: float) -> dict:
     """The prune stage's report for a model pruned during training: nothing is cut again; the count must be the
     one training recorded, and the validation PSNR on the prune stage's views is measured (``val_psnr``)."""
-    n = int(splats["means"].shape[0])
+    splats = Splats.of(splats)
+    n = splats.n
     if record.get("gaussians_after") != n:
         raise UserError(f"models/<scene>/train/ckpt.pt: holds {n} Gaussians but its prune_during record says "
                         f"{record.get('gaussians_after')}; rerun the train stage")
-    per_gaussian_mb = sum(splats[k][0].numel() * splats[k].element_size() for k in SPLAT_KEYS) / 1e6
+    per_gaussian_mib = splats.bytes_per_gaussian / 2**20
     n0 = int(record.get("gaussians_before") or n)
     return {
         "gaussians_before": n0, "gaussians_after": n,
-        "size_mb_before": round(n0 * per_gaussian_mb, 4), "size_mb_after": round(n * per_gaussian_mb, 4),
+        "size_mb_before": round(n0 * per_gaussian_mib, 4), "size_mb_after": round(n * per_gaussian_mib, 4),
         # the before/after PSNRs of training's phases are on training's early-stop views (train.early_stop)
         "val_psnr_before": record.get("val_psnr_before"), "val_psnr_after": val_psnr,
         "phases": record.get("phases", []), "stopped_early": bool(record.get("stopped_early")),
