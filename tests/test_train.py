@@ -7,6 +7,7 @@ points, so these tests do not depend on SfM. Test views are interior views (3 an
 import csv
 import math
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -220,7 +221,7 @@ def test_patch_windows_cover_every_pixel_equally_and_average_the_budget():
     as the centre (windows kept inside the image starve a band a window deep along the border)."""
     import random
 
-    from splatflow.train.loop import PATCH_MIN_SIDE, patch_window
+    from splatflow.train.windows import PATCH_MIN_SIDE, patch_window
 
     assert patch_window(96, 72, 0) is None and patch_window(96, 72, 96 * 72) is None
     for W, H, budget in ((800, 600, 60000), (400, 300, 60000)):  # the second mixes in whole images
@@ -246,7 +247,7 @@ def test_patch_render_is_the_window_of_the_whole_render(scene):
     point is right), with the matching window of the target, and densification still sees the level's size."""
     import random
 
-    from splatflow.train.loop import patch_window
+    from splatflow.train.windows import patch_window
 
     cfg = small_cfg(patch_max_pixels=1500)
     tr = Trainer(scene, cfg, seed=0)
@@ -318,3 +319,41 @@ def test_mcmc_regulariser_only_pulls_on_rendered_gaussians(scene):
         assert torch.all(grad[~unseen] != 0), k
     nothing = tr.strategy.loss_terms(tr.params, {"radii": torch.zeros_like(radii)})
     assert float(nothing) == 0.0
+
+
+def test_a_run_draws_only_from_its_own_generators(scene, tmp_path):
+    """The trainer's random numbers come from generators seeded by the run seed: the caller's global state neither
+    changes a run nor is changed by it, so a fine-tune inside another stage saves and restores nothing."""
+    cfg = small_cfg(24, checkpoint_every=1000)
+    cfg = replace(cfg, densify=replace(cfg.densify, refine_every=8, refine_start_fraction=0.1))
+    random.seed(1), torch.manual_seed(1)
+    a = train(scene, cfg, seed=4)
+    random.seed(2), torch.manual_seed(2)
+    before = random.getstate(), torch.get_rng_state()
+    b = train(scene, cfg, seed=4)
+    assert random.getstate() == before[0] and torch.equal(torch.get_rng_state(), before[1])
+    assert all(torch.equal(a.splats[k], b.splats[k]) for k in a.splats)
+    tuned = finetune(a.splats, scene, 5, cfg, sh_degree=a.sh_degree, seed=7)
+    assert random.getstate() == before[0] and torch.equal(torch.get_rng_state(), before[1])
+    assert not torch.equal(tuned.means, a.splats.means)
+
+
+def test_resume_from_a_checkpoint_with_global_rng_states(scene, tmp_path):
+    """Checkpoints written when the trainer seeded the global generators hold their states (and numpy's, which
+    training never drew from): such a file resumes into the run's own generators with the same result."""
+    from splatflow.model import Checkpoint
+
+    cfg = small_cfg(30, checkpoint_every=1000)
+    cfg = replace(cfg, densify=replace(cfg.densify, refine_every=8, refine_start_fraction=0.1))
+    full = train(scene, cfg, ckpt_path=tmp_path / "a.pt")
+    train(scene, cfg, ckpt_path=tmp_path / "b.pt", stop_after=13)
+    d = load_checkpoint(tmp_path / "b.pt")
+    d["rng"]["numpy"] = np.random.get_state()  # the old layout: the global generators' states
+    d["prune_during"] = None
+    torch.save(d, tmp_path / "b.pt")
+    assert Checkpoint.load(tmp_path / "b.pt").resumable
+    tr = Trainer(scene, cfg, ckpt_path=tmp_path / "b.pt")
+    res = tr.run()
+    assert tr.resumed_from == 13 and res.splats.n == full.splats.n
+    for k in full.splats:
+        torch.testing.assert_close(res.splats[k], full.splats[k], rtol=1e-5, atol=1e-6)

@@ -1,0 +1,98 @@
+"""A training run's checkpoint: what an exact resume needs, written as a :class:`splatflow.model.Checkpoint`.
+
+Besides the parameters and the SH degree, a training checkpoint carries the whole state of the run as its
+``train`` entries (docs/CONTRACTS.md "Checkpoint"): Adam's moments, the strategy's and the stopper's state, the
+run's random generators, the step, the elapsed time, the refine events, and the hash of the settings that shape
+the trajectory. A run resumes only from an unfinished checkpoint of the same settings and seed
+(:func:`try_resume`), and then continues bit for bit as if it had not stopped. Every tensor is written on the CPU
+and moved to the run's device on resume, so a run started on a GPU can finish on a CPU and the other way round.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+
+import torch
+
+from splatflow.config import TrainConfig, section_dict
+from splatflow.device import to_device
+from splatflow.errors import UserError
+from splatflow.model import SPLAT_KEYS, Checkpoint, Splats
+from splatflow.train.optim import adam
+
+log = logging.getLogger("splatflow.train")
+
+# settings that cannot change a run's trajectory: a checkpoint written with other values still resumes
+QUIET_SETTINGS = ("progress", "log_every", "checkpoint_every", "resume", "image_cache_mb")
+
+
+def config_hash(cfg: TrainConfig) -> str:
+    """Hash of the settings that shape the trajectory (resume only continues a run of the same config)."""
+    d = section_dict(cfg)
+    for k in QUIET_SETTINGS:
+        d.pop(k, None)
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def capture(tr, finished: bool, stopped: str = "") -> Checkpoint:
+    """The checkpoint of trainer ``tr`` now, with every tensor on the CPU."""
+    train = {
+        "stopped": stopped,
+        "config_hash": config_hash(tr.cfg),
+        "seed": tr.seed,
+        "scene_scale": tr.scene_scale,
+        "initial_count": tr.initial_count,
+        "optimizers": to_device({k: o.state_dict() for k, o in tr.optimizers.items()}, "cpu"),
+        "strategy_state": to_device(tr.strategy_state, "cpu"),
+        "stopper": tr.stopper.state_dict(),
+        "rng": tr.rng.state_dict(),
+        "elapsed_seconds": tr.elapsed_s,
+        "events": tr.events,
+        "val_psnr": tr.val_psnr,
+    }
+    return Splats.of(tr.params).to_checkpoint(
+        tr.sched.sh.degree(max(tr.step - 1, 0)), tr.step, finished=finished,
+        prune_during=to_device(tr.pruner.state_dict(), "cpu") if tr.pruner is not None else None, train=train)
+
+
+def restore(tr, ckpt: Checkpoint | dict) -> None:
+    """Put the state of ``ckpt`` (a :class:`Checkpoint` or its dict) into trainer ``tr``, on its device."""
+    if not isinstance(ckpt, Checkpoint):
+        ckpt = Checkpoint.from_dict(ckpt, str(tr.ckpt_path or "checkpoint"))
+    st = ckpt.train
+    tr.params = {k: torch.nn.Parameter(ckpt.splats[k].to(tr.device, copy=True)) for k in SPLAT_KEYS}
+    for k in SPLAT_KEYS:
+        opt = adam(tr.params[k], 1.0)  # the learning rate comes with the state
+        opt.load_state_dict(to_device(st["optimizers"][k], tr.device))
+        tr.optimizers[k] = opt
+    tr.strategy_state = to_device(st["strategy_state"], tr.device)
+    tr.initial_count = int(st["initial_count"])
+    tr.stopper.load_state_dict(st["stopper"])
+    tr.rng.load_state_dict(st["rng"])
+    tr.step = ckpt.step
+    tr.elapsed_s = float(st["elapsed_seconds"])
+    tr.events = list(st.get("events", []))
+    tr.val_psnr = st.get("val_psnr")
+    if tr.pruner is not None and ckpt.prune_during:
+        tr.pruner.load_state_dict(ckpt.prune_during)
+
+
+def try_resume(tr) -> bool:
+    """Continue trainer ``tr`` from an unfinished checkpoint of the same config and seed at ``tr.ckpt_path``;
+    True if it did. A missing, unreadable or finished checkpoint, or one of other settings, starts afresh."""
+    if not (tr.cfg.resume and tr.ckpt_path and tr.ckpt_path.exists()):
+        return False
+    try:
+        ckpt = Checkpoint.load(tr.ckpt_path)
+    except UserError as e:
+        log.info("%s: not resuming (%s)", tr.ckpt_path, e)
+        return False
+    if (not ckpt.resumable or ckpt.train.get("config_hash") != config_hash(tr.cfg)
+            or ckpt.train.get("seed") != tr.seed):
+        log.info("%s: not resuming (finished, or written with other train params/seed)", tr.ckpt_path)
+        return False
+    log.info("%s: resuming from step %d", tr.ckpt_path, ckpt.step)
+    restore(tr, ckpt)
+    return True
