@@ -219,9 +219,7 @@ class Trainer:
         if cfg.visible_adam:
             self._visible_adam_step(info)
         else:
-            for opt in self.optimizers.values():
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+            optim.step(self.optimizers)
         if self.strategy is not None:
             self.strategy.step_post_backward(self.params, self.optimizers, self.strategy_state, step, info,
                                              lr=s.means_lr.lr(step))
