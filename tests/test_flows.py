@@ -142,6 +142,11 @@ def test_batch_rerun_skips_the_scenes_that_finished(tmp_path, monkeypatch):
     from tests.test_tracking import make_toy_project
 
     toy = make_toy_project(tmp_path / "toy", scenes=("a", "b"))
+    # Stage one keeps a persistent output, as train does (its checkpoint): DVC's run cache then cannot restore it
+    # in a fresh worktree, so only the skip keeps a finished scene from computing again.
+    dvc_yaml = (toy / "dvc.yaml").read_text()
+    (toy / "dvc.yaml").write_text(dvc_yaml.replace("- out/${key}/one.ply\n", "- out/${key}/one.ply:\n              persist: true\n", 1))
+    run(["git", "commit", "-qam", "stage one keeps its output"], toy)
     log = tmp_path / "stages.log"  # one line per stage process that really ran
     monkeypatch.setenv("SPLATFLOW_TRACKING", "on")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{toy / 'mlflow.db'}")
