@@ -47,7 +47,10 @@ class Serve:
             "PREFECT_API_URL": stack["api"], "MLFLOW_TRACKING_URI": stack["mlflow"].url,
             "SPLATFLOW_TRACKING": "on", "PREFECT_HOME": str(tmp_path / "prefect-client"),
             # the served runner and the worker look for due runs every 5 s instead of every 10 s
-            "PREFECT_RUNNER_POLL_FREQUENCY": "5", "PREFECT_WORKER_QUERY_SECONDS": "5", **(env or {})})
+            "PREFECT_RUNNER_POLL_FREQUENCY": "5", "PREFECT_WORKER_QUERY_SECONDS": "5",
+            # the code under test: the `splatflow` script imports the installed package, which in a second
+            # checkout of the project is not this one (in the project itself the two are the same)
+            "PYTHONPATH": str(Path(__file__).resolve().parents[1]), **(env or {})})
         full_env.pop("MLFLOW_RUN_ID", None)
         cmd = [str(VENV_BIN / "splatflow"), "serve", "--workers", "1", "--repo", str(toy), *args]
         with open(self.log, "wb") as fh:
