@@ -1,6 +1,6 @@
 """MLflow tracking for splatflow: one MLflow run per scene per pipeline run, whoever starts the pipeline.
 
-Why this module exists (DESIGN.md §2): DVC owns the graph and Prefect runs it, but a run of the pipeline must
+Why this package exists (DESIGN.md §2): DVC owns the graph and Prefect runs it, but a run of the pipeline must
 still show up as *one* MLflow run per scene with the params, live training curves, final metrics of every stage,
 the exported PLY/.splat/.spz, renders, plots and ``dvc.lock`` -- whether it was started by a Prefect flow, by a
 batch, by ``splatflow rerun`` or by a plain ``dvc repro`` in a checkout.
@@ -39,7 +39,7 @@ The package, by concern (every public name is importable from ``splatflow.tracki
   owner through :mod:`splatflow.stop`.
 * :mod:`~splatflow.tracking.steps` -- live step metrics (:func:`step_logger`).
 
-The flows use only these public names; nothing outside the package reaches into its modules' private parts.
+The flows and the CLI use only these public names.
 """
 
 from splatflow.tracking.metadata import (ARTIFACT_DIR_NAMES, ARTIFACT_SUFFIXES, MAX_ARTIFACT_BYTES, MAX_DIR_FILES,
