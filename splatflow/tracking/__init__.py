@@ -55,9 +55,6 @@ from splatflow.tracking.store import (DEFAULT_EXPERIMENT, DEFAULT_UI_URL, EXPERI
                                       client, enabled, experiment_id, log_batch, repo_root, run_ui_url,
                                       tracking_uri)
 
-#: The old private name of :func:`is_dvc_cmd`, still imported by ``splatflow.orchestrate.workspace``.
-_is_dvc_cmd = is_dvc_cmd
-
 __all__ = [
     "ARTIFACT_DIR_NAMES", "ARTIFACT_SUFFIXES", "DEFAULT_EXPERIMENT", "DEFAULT_UI_URL", "EXPERIMENT_KIND",
     "EXPERIMENT_KIND_TAG", "MAX_ARTIFACT_BYTES", "MAX_DIR_FILES", "STEP_FLUSH_ROWS", "STEP_FLUSH_SECONDS",
