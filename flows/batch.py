@@ -2,7 +2,13 @@
 
 Each (scene, config) pair becomes its own ``reconstruct`` flow run started through the deployment
 ``reconstruct/scene`` (``run_deployment``), so the runs spread over every worker polling the ``splatflow`` work
-pool -- on this machine or on others (docs/orchestration.md).  At most ``max_concurrent`` are in flight.
+pool -- on this machine or on others (docs/orchestration.md).  At most ``max_concurrent`` are in flight: Prefect
+itself enforces that, through a global concurrency limit made for this batch run (``splatflow-batch-<flow run
+id>``, shown on the UI's Concurrency page while the batch runs, removed after it) whose slot each scene holds.
+
+Rerunning a batch skips the scenes that finished: each child gets ``skip_finished`` (unless ``force``), so a scene
+whose earlier run at the same commit with the same overrides still holds (DVC finds every stage up to date with
+the dvc.lock that run ended with) runs nothing and records a ``splatflow.skipped=up to date`` run pointing at it.
 
 Concurrency and DVC: two ``dvc repro`` must never share a workspace, so every child runs in its own git worktree
 of one fixed commit (``workspace="worktree"``) with its overrides applied to the worktree's params.yaml and the
@@ -22,28 +28,51 @@ import itertools
 import os
 import sys
 import tempfile
-import threading
 import time
+import uuid
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from prefect import flow, get_run_logger, task
+from prefect.concurrency.sync import concurrency
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `flows.reconstruct` when loaded by file path
-
-from splatflow import tracking  # noqa: E402
-from splatflow.orchestrate import dvcrun  # noqa: E402
-from splatflow.orchestrate.workspace import resolve_commit  # noqa: E402
+from splatflow import tracking
+from splatflow.orchestrate import dvcrun
+from splatflow.orchestrate.workspace import resolve_commit
 
 SCENE_DEPLOYMENT = "reconstruct/scene"
-_SLOTS: dict[str, threading.Semaphore] = {}
+
+
+@contextlib.contextmanager
+def batch_limit(max_concurrent: int) -> Iterator[str]:
+    """A Prefect global concurrency limit of ``max_concurrent`` slots for one batch run; yields its name and
+    deletes it afterwards (a limit left by a killed batch holds no slots: their leases expire)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+    from prefect.context import get_run_context
+
+    try:
+        key = str(get_run_context().flow_run.id)
+    except Exception:  # noqa: BLE001 - outside a flow run (a direct call in a test)
+        key = uuid.uuid4().hex
+    name = f"splatflow-batch-{key}"
+    with get_client(sync_client=True) as client:
+        client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=max(1, max_concurrent)))
+    try:
+        yield name
+    finally:
+        with get_client(sync_client=True) as client, contextlib.suppress(Exception):
+            client.delete_global_concurrency_limit_by_name(name)
 
 
 @task(cache_policy=None, persist_result=False)
-def launch_scene(job: dict[str, Any], deployment: Optional[str], slots_key: str) -> dict[str, Any]:
-    """Start one scene flow run (through the deployment, or in-process when ``deployment`` is None) and wait."""
+def launch_scene(job: dict[str, Any], deployment: Optional[str], limit: str) -> dict[str, Any]:
+    """Start one scene flow run (through the deployment, or in-process when ``deployment`` is None) and wait,
+    holding one slot of the batch's concurrency limit while it runs."""
     logger = get_run_logger()
-    with _SLOTS[slots_key]:
+    # strict: a missing limit is an error, not a silent "no limit"; a lease renewal hiccup must not kill a scene
+    # that trains for hours (the slot is then merely counted as free early).
+    with concurrency(limit, occupy=1, strict=True, raise_on_lease_renewal_failure=False):
         label = job["run_name"]
         if deployment:
             from prefect.deployments import run_deployment
@@ -56,7 +85,9 @@ def launch_scene(job: dict[str, Any], deployment: Optional[str], slots_key: str)
         from flows.reconstruct import reconstruct
 
         st = reconstruct(**job, return_state=True)
-        return {"job": label, "flow_run_id": "", "state": st.type.value}
+        res = st.result(raise_on_failure=False) if st.is_completed() else None
+        skipped = res.get("skipped") if isinstance(res, dict) else None
+        return {"job": label, "flow_run_id": "", "state": st.type.value, "skipped": skipped}
 
 
 @flow(name="batch", log_prints=True)
@@ -67,7 +98,8 @@ def batch(scenes: Optional[list[str]] = None, sweep: Optional[list[dict[str, Any
 
     ``sweep`` is a list of override dicts (``[{"train.max_steps": 500}, {"train.max_steps": 1000}]``); without it
     each scene runs once with params.yaml as committed.  ``deployment=None`` runs the children in this process
-    (no workers needed).  ``force`` reruns every stage even when DVC finds it up to date.
+    (no workers needed).  ``force`` reruns every stage even when DVC finds it up to date, and every scene even
+    when an earlier run of it finished (otherwise those are skipped).
     """
     logger = get_run_logger()
     main_root = tracking.repo_root(repo or os.environ.get("SPLATFLOW_REPO") or Path.cwd())
@@ -77,57 +109,37 @@ def batch(scenes: Optional[list[str]] = None, sweep: Optional[list[dict[str, Any
     if not scenes:
         raise ValueError(f"no scenes: dvc.yaml in {main_root} has no foreach stages over base.scenes")
 
-    parent_id, cl = None, None
-    if tracking.enabled():
-        cl = tracking.client(tracking.tracking_uri(main_root))
-        exp = tracking.experiment_id(cl)
-        tags = {"splatflow.kind": "batch", "splatflow.scenes": ",".join(scenes), "git.commit": sha,
-                "mlflow.source.git.commit": sha, **tracking._process_tags()}
-        parent = cl.create_run(exp, run_name=f"batch-{time.strftime('%Y%m%d-%H%M%S')}", tags=tags)
-        parent_id = parent.info.run_id
-        tracking._log_batch(cl, parent_id, params={"batch.scenes": ",".join(scenes), "batch.configs": str(configs),
-                                                     "batch.max_concurrent": str(max_concurrent)})
-
     jobs = []
-    for (scene, (ci, cfg)) in itertools.product(scenes, enumerate(configs)):
-        name = scene if len(configs) == 1 else f"{scene}-cfg{ci}"
-        jobs.append({"scene": scene, "repo": str(main_root), "workspace": "worktree", "commit": sha,
-                     "overrides": cfg or None, "force": force, "stage_timeout_s": stage_timeout_s,
-                     "parent_run_id": parent_id, "run_name": name, "tags": {"splatflow.batch_config": str(ci)}})
-    logger.info("batch of %d scene runs (%d scenes x %d configs), %d at a time, via %s", len(jobs), len(scenes),
-                len(configs), max_concurrent, deployment or "this process")
-
-    key = f"{os.getpid()}-{time.monotonic_ns()}"
-    _SLOTS[key] = threading.Semaphore(max(1, max_concurrent))
-    status = "FAILED"
-    try:
-        futures = [launch_scene.with_options(task_run_name=f"launch-{j['run_name']}").submit(j, deployment, key)
-                   for j in jobs]
-        results = [f.result() for f in futures]
+    tags = {"splatflow.kind": "batch", "splatflow.scenes": ",".join(scenes), "git.commit": sha,
+            "mlflow.source.git.commit": sha}
+    params = {"batch.scenes": ",".join(scenes), "batch.configs": str(configs), "batch.max_concurrent": str(max_concurrent)}
+    with tracking.batch_run(main_root, name=f"batch-{time.strftime('%Y%m%d-%H%M%S')}", tags=tags, params=params,
+                            before_end=_summarise) as parent:
+        for (scene, (ci, cfg)) in itertools.product(scenes, enumerate(configs)):
+            name = scene if len(configs) == 1 else f"{scene}-cfg{ci}"
+            jobs.append({"scene": scene, "repo": str(main_root), "workspace": "worktree", "commit": sha,
+                         "overrides": cfg or None, "force": force, "stage_timeout_s": stage_timeout_s,
+                         "parent_run_id": parent.run_id, "run_name": name,
+                         "tags": {"splatflow.batch_config": str(ci)}, "skip_finished": not force})
+        logger.info("batch of %d scene runs (%d scenes x %d configs), %d at a time, via %s", len(jobs), len(scenes),
+                    len(configs), max_concurrent, deployment or "this process")
+        with batch_limit(max_concurrent) as limit:
+            futures = [launch_scene.with_options(task_run_name=f"launch-{j['run_name']}").submit(j, deployment, limit)
+                       for j in jobs]
+            results = [f.result() for f in futures]
         failed = [r for r in results if r["state"] != "COMPLETED"]
-        status = "FINISHED" if not failed else "FAILED"
-    except BaseException:
-        status = "KILLED"
-        raise
-    finally:
-        _SLOTS.pop(key, None)
-        if cl is not None:
-            with contextlib.suppress(Exception):
-                _summarise(cl, parent_id)
-            with contextlib.suppress(Exception):
-                cl.set_terminated(parent_id, status)
-    if cl is not None:
+        if failed:
+            parent.status = "FAILED"
+    if parent.active:
         with contextlib.suppress(Exception):
-            _publish_table(cl, parent_id)
+            _publish_table(parent.client, parent.run_id)
     if failed:
         raise RuntimeError(f"{len(failed)} of {len(results)} scene runs did not complete: "
                            + ", ".join(f"{r['job']} ({r['state']})" for r in failed))
     return results
 
 
-def child_runs(cl, parent_id: str) -> list:
-    exps = [e.experiment_id for e in cl.search_experiments()]
-    return cl.search_runs(exps, filter_string=f"tags.`mlflow.parentRunId` = '{parent_id}'", max_results=1000)
+child_runs = tracking.child_runs  # the batch's scene runs (kept here: tests and users import it from the flow)
 
 
 def _summarise(cl, parent_id: str) -> None:
@@ -136,11 +148,12 @@ def _summarise(cl, parent_id: str) -> None:
     keys = sorted({k for r in runs for k in r.data.metrics if "/" not in k})
     buf = io.StringIO()
     w = csv.writer(buf)
-    w.writerow(["run_id", "run_name", "scene", "config", "overrides", "status", *keys])
+    w.writerow(["run_id", "run_name", "scene", "config", "overrides", "status", "skipped", *keys])
     for r in sorted(runs, key=lambda r: r.info.run_name or ""):
         t = r.data.tags
         w.writerow([r.info.run_id, r.info.run_name, t.get("splatflow.scene"), t.get("splatflow.batch_config"),
-                    t.get("splatflow.overrides", ""), r.info.status, *[r.data.metrics.get(k, "") for k in keys]])
+                    t.get("splatflow.overrides", ""), r.info.status, t.get("splatflow.skipped", ""),
+                    *[r.data.metrics.get(k, "") for k in keys]])
     with tempfile.TemporaryDirectory() as tmp:
         p = Path(tmp) / "batch_summary.csv"
         p.write_text(buf.getvalue())
@@ -156,6 +169,7 @@ def _publish_table(cl, parent_id: str) -> None:
         m, t = r.data.metrics, r.data.tags
         rows.append({"run": r.info.run_name, "scene": t.get("splatflow.scene"),
                      "overrides": t.get("splatflow.overrides", ""), "status": r.info.status,
+                     "skipped": t.get("splatflow.skipped", ""),
                      "psnr": m.get("evaluate.psnr"), "ssim": m.get("evaluate.ssim"),
                      "gaussians": m.get("evaluate.gaussians"), "train_s": m.get("train.train_seconds"),
                      "mlflow_run": tracking.run_ui_url(r.info.experiment_id, r.info.run_id)})

@@ -9,18 +9,22 @@ scheduled deployments (``splatflow serve``).
 * ``batch/nightly`` -- served by the ``splatflow serve`` process itself, with a cron schedule: fans out every scene
   to ``reconstruct/scene``.  ``batch/on-demand`` and ``reconstruct/inplace`` (reproduce in the checkout itself,
   like ``dvc repro``) are served without a schedule, to start from the UI.
+
+No ``sys.path`` edits: every process that loads a flow by its file path starts in the project folder -- the
+worker's runs through the deployment's pull step (``from_source``), the served runs because :func:`serve_forever`
+serves from there -- and Prefect puts that folder on ``sys.path``, so ``flows`` and the project's ``splatflow``
+import from it.
 """
 
 from __future__ import annotations
 
-import sys
+import contextlib
+import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from flows.batch import SCENE_DEPLOYMENT, batch  # noqa: E402
-from flows.reconstruct import reconstruct  # noqa: E402
+from flows.batch import SCENE_DEPLOYMENT, batch
+from flows.reconstruct import reconstruct
 
 POOL = "splatflow"
 NIGHTLY_CRON = "0 3 * * *"  # 03:00 every day, in the server's timezone (UTC unless set)
@@ -81,9 +85,7 @@ def serve_forever(repo: str | Path, cron: Optional[str] = NIGHTLY_CRON, scenes: 
     Ctrl-C stops at once.
     """
     import asyncio
-    import signal
 
-    from prefect.exceptions import TerminationSignal
     from prefect.runner import Runner
 
     class _Runner(Runner):
@@ -118,8 +120,27 @@ def serve_forever(repo: str | Path, cron: Optional[str] = NIGHTLY_CRON, scenes: 
             await asyncio.to_thread(_wait_for_flow_runs, stop_grace_s)
             await self.astop()
 
-    deployments = served_deployments(repo, cron, scenes, max_concurrent)
-    runner = _Runner(limit=limit)
+    with _working_directory(repo):  # the served runs start here: their entrypoints are relative to it
+        _serve(_Runner(limit=limit), served_deployments(repo, cron, scenes, max_concurrent))
+
+
+@contextlib.contextmanager
+def _working_directory(path: str | Path) -> Iterator[None]:
+    previous = os.getcwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(previous)
+
+
+def _serve(runner: Any, deployments: list) -> None:
+    """Run ``runner`` with ``deployments`` until it stops: SIGINT asks for the clean stop, as SIGTERM does."""
+    import asyncio
+    import signal
+
+    from prefect.exceptions import TerminationSignal
+
     for dep in deployments:
         runner.add_deployment(dep)
     print("serving " + ", ".join(f"{d.flow_name}/{d.name}" for d in deployments) + "; Ctrl-C stops", flush=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Literal, Optional
@@ -75,7 +76,8 @@ def _flow_run_tags() -> dict[str, str]:
 
 
 def reproduce(root: Path, scene: str, *, main_root: Path, force: bool, stage_timeout_s: Optional[float],
-              parent_run_id: Optional[str], run_name: Optional[str], tags: dict[str, str]) -> dict[str, Any]:
+              parent_run_id: Optional[str], run_name: Optional[str], tags: dict[str, str],
+              skip_finished: bool = False) -> dict[str, Any]:
     """The body shared by the flow's two workspace modes: MLflow run, stages as tasks, final logging."""
     logger = get_run_logger()
     stages = dvcrun.stage_order(root, scene)
@@ -83,37 +85,68 @@ def reproduce(root: Path, scene: str, *, main_root: Path, force: bool, stage_tim
         raise ValueError(f"dvc.yaml in {root} has no stages for scene {scene!r}: add it to base.scenes in params.yaml")
     logger.info("scene %s: %d stages from DVC's graph: %s", scene, len(stages), " -> ".join(stages))
 
-    run_id, cl = None, None
     uri = tracking.tracking_uri(main_root)
-    if tracking.enabled():
-        cl = tracking.client(uri)
-        params = _params_for_logging(root / "params.yaml", scene)
-        run_id = tracking.create_scene_run(cl, scene, root, None, uri=uri, parent_run_id=parent_run_id,
-                                           run_name=run_name, tags={"splatflow.started_by": "prefect", **tags})
-        tracking._log_batch(cl, run_id, params=tracking.flatten_params(params))
-        logger.info("MLflow run %s at %s", run_id, uri)
+    params = _params_for_logging(root / "params.yaml", scene)
+    common = dict(uri=uri, params=params, parent_run_id=parent_run_id, run_name=run_name)
+    prior = finished_run_still_valid(root, scene, stages, uri, tags) if skip_finished and not force else None
+    if prior is not None:
+        metrics = {k: v for k, v in prior.data.metrics.items() if "/" not in k}  # final metrics, not curves
+        with tracking.scene_run(scene, root, seed_metrics=False, **common,
+                                tags={"splatflow.started_by": "prefect", **tags, "splatflow.skipped": "up to date",
+                                      "splatflow.same_as": prior.info.run_id}) as run:
+            run.log(metrics=metrics)
+        logger.info("scene %s skipped: up to date (every stage as in finished MLflow run %s)", scene,
+                    prior.info.run_id)
+        return {"scene": scene, "run_id": run.run_id, "stages": [], "metrics": metrics, "workspace": str(root),
+                "artifact_id": None, "skipped": "up to date", "same_as": prior.info.run_id}
+
     results = []
-    status = "FAILED"
-    try:
+    with tracking.scene_run(scene, root, stages=stages, tags={"splatflow.started_by": "prefect", **tags},
+                            **common) as run:
+        if run.active:
+            logger.info("MLflow run %s at %s", run.run_id, uri)
         for stage in stages:
             name = stage.partition("@")[0]
             results.append(run_stage.with_options(name=name, task_run_name=stage)(
-                str(root), stage, run_id, uri, force, stage_timeout_s))
-        status = "FINISHED"
-    except BaseException as e:
-        status = "KILLED" if isinstance(e, (KeyboardInterrupt, SystemExit, dvcrun.StageCancelled)) or \
-            type(e).__name__ in {"TerminationSignal", "CancelledError"} else "FAILED"
-        raise
-    finally:
-        if cl is not None and run_id is not None:
-            tracking.finalize_scene_run(cl, run_id, root, scene, stages, status)
-    metrics = cl.get_run(run_id).data.metrics if cl is not None else {}
-    artifact = publish_summary(root, scene, main_root=main_root, run_id=run_id, cl=cl, uri=uri)
-    return {"scene": scene, "run_id": run_id, "stages": results, "metrics": metrics, "workspace": str(root),
-            "artifact_id": artifact}
+                str(root), stage, run.run_id, uri, force, stage_timeout_s))
+    metrics = run.client.get_run(run.run_id).data.metrics if run.active else {}
+    artifact = publish_summary(root, scene, main_root=main_root, run=run)
+    return {"scene": scene, "run_id": run.run_id, "stages": results, "metrics": metrics, "workspace": str(root),
+            "artifact_id": artifact, "skipped": None, "same_as": None}
 
 
-def publish_summary(root: Path, scene: str, *, main_root: Path, run_id: Optional[str], cl, uri: str) -> Optional[str]:
+def finished_run_still_valid(root: Path, scene: str, stages: list[str], uri: str, tags: dict[str, str]):
+    """The scene's earlier FINISHED MLflow run at this worktree's commit with the same overrides, when DVC finds
+    every stage up to date with the ``dvc.lock`` that run ended with; else None (and the committed dvc.lock
+    stays).  This is what lets a rerun of a batch skip the scenes that finished: a fresh worktree has none of
+    their outputs, and DVC's run cache cannot restore the training stage (its checkpoint is a persistent output),
+    so without this every scene would train again."""
+    import shutil
+    import tempfile
+
+    logger = get_run_logger()
+    if not tracking.enabled():
+        return None
+    cl = tracking.client(uri)
+    commit = tracking.git_tags(root).get("git.commit", "none")
+    prior = tracking.finished_scene_run(cl, scene, commit, tags.get("splatflow.overrides", ""))
+    if prior is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copy(cl.download_artifacts(prior.info.run_id, "dvc.lock", tmp), root / "dvc.lock")
+    try:
+        ok, why = dvcrun.only_outputs_missing(root, stages)
+    except dvcrun.StageFailed as e:
+        ok, why = False, str(e)
+    if not ok:
+        logger.info("scene %s: earlier run %s does not hold any more (%s): running the stages", scene,
+                    prior.info.run_id, why)
+        subprocess.run(["git", "checkout", "--", "dvc.lock"], cwd=root, capture_output=True, check=False)
+        return None
+    return prior
+
+
+def publish_summary(root: Path, scene: str, *, main_root: Path, run: tracking.SceneRun) -> Optional[str]:
     """A Prefect markdown artifact in this flow run: headline metrics, the MLflow run's link, the report."""
     from prefect.artifacts import create_markdown_artifact
 
@@ -121,9 +154,7 @@ def publish_summary(root: Path, scene: str, *, main_root: Path, run_id: Optional
     from splatflow.report import summary_markdown
 
     paths = ScenePaths(scene, root)
-    run_url = None
-    if cl is not None and run_id is not None:
-        run_url = tracking.run_ui_url(cl.get_run(run_id).info.experiment_id, run_id, uri)
+    run_url = run.url()
     # A worktree run's files vanish with its worktree: then the MLflow artifact is where the report lives.
     location = str(paths.report_html) if paths.report_html.exists() and root == main_root else None
     key = "splatflow-" + "".join(ch if ch.isalnum() else "-" for ch in scene.lower())
@@ -136,13 +167,17 @@ def reconstruct(scene: str = "demo", repo: Optional[str] = None,
                 workspace: Literal["inplace", "worktree"] = "inplace", commit: str = "HEAD",
                 overrides: Optional[dict[str, Any]] = None, force: bool = False,
                 stage_timeout_s: Optional[float] = None, parent_run_id: Optional[str] = None,
-                run_name: Optional[str] = None, tags: Optional[dict[str, str]] = None) -> dict[str, Any]:
+                run_name: Optional[str] = None, tags: Optional[dict[str, str]] = None,
+                skip_finished: bool = False) -> dict[str, Any]:
     """Reconstruct one scene: every DVC stage of ``scene`` as a task, logged to one MLflow run.
 
     ``workspace="inplace"`` reproduces in the checkout ``repo`` (updating its dvc.lock and outputs, like
     ``dvc repro``), holding a workspace lock so two flows never reproduce there at once.  ``"worktree"`` runs in
     a throw-away git worktree of ``commit`` with ``overrides`` applied to its params.yaml and the DVC cache shared
-    (what batches, sweeps and reruns use); results live in MLflow and the DVC cache.
+    (what batches, sweeps and reruns use); results live in MLflow and the DVC cache.  ``skip_finished`` (worktree
+    only; batches set it): when an earlier FINISHED run of the scene at the same commit with the same overrides
+    still holds -- DVC finds every stage up to date with the dvc.lock it ended with -- nothing runs, and a new
+    MLflow run tagged ``splatflow.skipped=up to date`` points at it (``splatflow.same_as``) with its metrics.
     """
     main_root = tracking.repo_root(repo or os.environ.get("SPLATFLOW_REPO") or Path.cwd())
     tags = {**_flow_run_tags(), **(tags or {}), "splatflow.workspace": workspace}
@@ -152,7 +187,7 @@ def reconstruct(scene: str = "demo", repo: Optional[str] = None,
                   run_name=run_name, tags=tags)
     if workspace == "worktree":
         with worktree(main_root, commit, overrides=overrides) as wt:
-            return reproduce(wt, scene, **common)
+            return reproduce(wt, scene, skip_finished=skip_finished, **common)
     if overrides:
         raise ValueError("param overrides need workspace='worktree' (they are never written to your params.yaml)")
     with workspace_lock(main_root):

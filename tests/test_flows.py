@@ -128,3 +128,74 @@ def test_rerun_of_previous_commit_reproduces_its_metrics(project, flow_run, monk
     # the rerun recomputed (forced), and left no worktree behind
     assert not any((project / ".dvc" / "tmp" / "splatflow" / "wt").iterdir())
     assert Path(project / "NOTES.md").exists()
+
+
+def test_batch_rerun_skips_the_scenes_that_finished(tmp_path, monkeypatch):
+    """A batch where scene ``b`` fails, then the same batch again: ``a`` finished the first time, so the rerun
+    runs none of its stages (it records a skipped run pointing at the first) while ``b`` runs to the end.  One
+    scene at a time (``max_concurrent=1``), enforced by the batch's Prefect concurrency limit: the scene runs of
+    a batch never overlap, and the limit is gone afterwards."""
+    from prefect.client.orchestration import get_client
+    from prefect.testing.utilities import prefect_test_harness
+
+    from flows.batch import batch
+    from tests.test_tracking import make_toy_project
+
+    toy = make_toy_project(tmp_path / "toy", scenes=("a", "b"))
+    # Stage one keeps a persistent output, as train does (its checkpoint): DVC's run cache then cannot restore it
+    # in a fresh worktree, so only the skip keeps a finished scene from computing again.
+    dvc_yaml = (toy / "dvc.yaml").read_text()
+    (toy / "dvc.yaml").write_text(dvc_yaml.replace("- out/${key}/one.ply\n", "- out/${key}/one.ply:\n              persist: true\n", 1))
+    run(["git", "commit", "-qam", "stage one keeps its output"], toy)
+    log = tmp_path / "stages.log"  # one line per stage process that really ran
+    monkeypatch.setenv("SPLATFLOW_TRACKING", "on")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{toy / 'mlflow.db'}")
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    monkeypatch.setenv("FAKE_LOG", str(log))
+    monkeypatch.setenv("FAKE_FAIL_SCENE", "b")
+    cl = tracking.client()
+
+    def children():  # the latest batch's parent run and its scene runs by scene
+        parents = cl.search_runs([tracking.experiment_id(cl)], filter_string="tags.`splatflow.kind` = 'batch'",
+                                 order_by=["attributes.start_time DESC"])
+        return parents[0], {r.data.tags["splatflow.scene"]: r for r in tracking.child_runs(cl, parents[0].info.run_id)}
+
+    with prefect_test_harness(server_startup_timeout=300):
+        first = batch(scenes=["a", "b"], deployment=None, repo=str(toy), max_concurrent=1, return_state=True)
+        assert first.is_failed()
+        parent1, kids1 = children()
+        assert parent1.info.status == "FAILED"
+        assert kids1["a"].info.status == "FINISHED" and kids1["b"].info.status == "FAILED"
+        runs_1 = sorted(kids1.values(), key=lambda r: r.info.start_time)
+        assert runs_1[0].info.end_time <= runs_1[1].info.start_time, "max_concurrent=1 but the scene runs overlapped"
+        assert sorted(log.read_text().split("\n")[:-1]) == ["one a", "one b", "two a"]
+
+        log.write_text("")
+        monkeypatch.delenv("FAKE_FAIL_SCENE")
+        second = batch(scenes=["a", "b"], deployment=None, repo=str(toy), max_concurrent=1, return_state=True)
+        assert second.is_completed(), second
+        results = {r["job"]: r for r in second.result()}
+        with get_client(sync_client=True) as client:
+            limits = client.read_global_concurrency_limits(limit=200)
+        assert not [c.name for c in limits if c.name.startswith("splatflow-batch-")], "the batch left its limit"
+
+    # scene a: no stage ran again; its new run says so, points at the finished one and carries its results
+    assert sorted(log.read_text().split("\n")[:-1]) == ["one b", "two b"]
+    assert results["a"]["skipped"] == "up to date" and results["b"]["skipped"] is None
+    parent2, kids2 = children()
+    assert parent2.info.status == "FINISHED" and parent2.info.run_id != parent1.info.run_id
+    a1, a2 = kids1["a"], kids2["a"]
+    assert a2.info.status == "FINISHED" and a2.data.tags["splatflow.skipped"] == "up to date"
+    assert a2.data.tags["splatflow.same_as"] == a1.info.run_id
+    assert a2.data.metrics["two.psnr"] == a1.data.metrics["two.psnr"] == pytest.approx(20.02)
+    assert not cl.get_metric_history(a2.info.run_id, "one/loss"), "the skipped scene logged training steps"
+    # the same stage outputs: the dvc.lock entries (deps, params and outs md5s) of the run that computed them
+    assert {k: v for k, v in a2.data.tags.items() if k.startswith("dvc.hash.")} == \
+        {k: v for k, v in a1.data.tags.items() if k.startswith("dvc.hash.")}
+    # scene b ran to the end this time, all of its stages
+    b2 = kids2["b"]
+    assert b2.info.status == "FINISHED" and "splatflow.skipped" not in b2.data.tags
+    assert b2.data.metrics["two.psnr"] == pytest.approx(20.02)
+    summary = cl.download_artifacts(parent2.info.run_id, "batch_summary.csv", str(tmp_path))
+    rows = {line.split(",")[2]: line for line in Path(summary).read_text().splitlines()[1:]}
+    assert "up to date" in rows["a"] and "up to date" not in rows["b"]

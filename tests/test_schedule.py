@@ -47,7 +47,10 @@ class Serve:
             "PREFECT_API_URL": stack["api"], "MLFLOW_TRACKING_URI": stack["mlflow"].url,
             "SPLATFLOW_TRACKING": "on", "PREFECT_HOME": str(tmp_path / "prefect-client"),
             # the served runner and the worker look for due runs every 5 s instead of every 10 s
-            "PREFECT_RUNNER_POLL_FREQUENCY": "5", "PREFECT_WORKER_QUERY_SECONDS": "5", **(env or {})})
+            "PREFECT_RUNNER_POLL_FREQUENCY": "5", "PREFECT_WORKER_QUERY_SECONDS": "5",
+            # the code under test: the `splatflow` script imports the installed package, which in a second
+            # checkout of the project is not this one (in the project itself the two are the same)
+            "PYTHONPATH": str(Path(__file__).resolve().parents[1]), **(env or {})})
         full_env.pop("MLFLOW_RUN_ID", None)
         cmd = [str(VENV_BIN / "splatflow"), "serve", "--workers", "1", "--repo", str(toy), *args]
         with open(self.log, "wb") as fh:
@@ -232,3 +235,39 @@ def test_serve_stops_cleanly_with_a_batch_in_flight(stack, tmp_path):
     assert sorted((r.data.tags.get("splatflow.kind", "scene"), r.info.status) for r in runs) == \
         [("batch", "KILLED"), ("scene", "KILLED")]
     assert not any((toy / ".dvc" / "tmp" / "splatflow" / "wt").iterdir()), "the scene's worktree was left behind"
+
+
+def test_flows_load_by_file_path_from_the_project_folder(tmp_path):
+    """What a worker or ``splatflow serve`` does with a deployment's entrypoint: Prefect loads ``flows/<x>.py`` by
+    its file path in a process started in the project folder, with no PYTHONPATH and no ``sys.path`` edit in the
+    flows.  ``flows`` and the project's ``splatflow`` must then import from the project itself."""
+    import ast
+    import textwrap
+
+    toy = make_toy_project(tmp_path / "toy", scenes=("a",))
+    for f in (toy / "flows").glob("*.py"):
+        uses = [n.lineno for n in ast.walk(ast.parse(f.read_text())) if isinstance(n, ast.Attribute)
+                and n.attr == "path" and isinstance(n.value, ast.Name) and n.value.id == "sys"]
+        assert not uses, f"{f.name} touches sys.path (line {uses[0]})"
+    probe = textwrap.dedent("""
+        import sys
+        from prefect.flows import load_flow_from_entrypoint
+        from prefect.utilities.importtools import load_script_as_module
+
+        for ep in ("flows/reconstruct.py:reconstruct", "flows/batch.py:batch"):
+            print(ep, load_flow_from_entrypoint(ep).name)
+        dep = load_script_as_module("flows/deployments.py")
+        print("deployments", dep.SCENE_DEPLOYMENT, dep.batch.name)
+        import flows.batch, splatflow.tracking
+        print("flows", flows.batch.__file__)
+        print("splatflow", splatflow.tracking.__file__)
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PREFECT_API_URL")}
+    p = subprocess.run([str(VENV_BIN / "python"), "-c", probe], cwd=toy, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    out = dict(line.split(" ", 1) for line in p.stdout.splitlines() if " " in line)
+    assert out["flows/reconstruct.py:reconstruct"] == "reconstruct" and out["flows/batch.py:batch"] == "batch"
+    assert out["deployments"] == "reconstruct/scene batch"
+    assert Path(out["flows"]) == toy / "flows" / "batch.py"
+    assert Path(out["splatflow"]).parent == toy / "splatflow" / "tracking"

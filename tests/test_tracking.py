@@ -30,7 +30,12 @@ FAKE_STAGE = textwrap.dedent('''
 
     stage, scene = sys.argv[1], sys.argv[2]
     params = yaml.safe_load(open("params.yaml"))
+    if os.environ.get("FAKE_LOG"):  # every stage that really runs leaves a line (tests of what reruns)
+        with open(os.environ["FAKE_LOG"], "a") as log:
+            log.write(f"{stage} {scene}\\n")
     with stage_tracking(stage, scene, params) as tracker:
+        if os.environ.get("FAKE_FAIL_SCENE") == scene:
+            raise RuntimeError(f"scene {scene} fails on purpose")
         steps = step_logger(stage)
         for i in range(params[stage]["steps"]):
             steps.log(i, {"loss": 1.0 / (i + 1)})
@@ -92,6 +97,9 @@ def make_toy_project(root: Path, scenes=("a",), steps_one: int = 3) -> Path:
         (root / "raw" / s / "capture.txt").write_text(f"scene {s}")
     (root / ".gitignore").write_text("/mlflow.db\n/mlartifacts/\n/.splatflow/\n/metrics/\n/started\n")
     repo = Path(__file__).resolve().parents[1]
+    # The project's own splatflow (linked, as in tests/_project.py): processes that start in the project folder --
+    # the stages, Prefect's flow runs -- import the code under test, not whatever the venv has installed.
+    (root / "splatflow").symlink_to(repo / "splatflow", target_is_directory=True)
     if (repo / "flows").is_dir():
         import shutil
 

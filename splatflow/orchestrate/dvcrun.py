@@ -210,3 +210,42 @@ def run_dvc_stage(root: str | Path, stage: str, *, force: bool = False, timeout_
         raise StageFailed(stage, rc, text)
     skipped = any("didn't change, skipping" in ln or "is cached - skipping" in ln for ln in lines)
     return StageResult(stage, rc, seconds, skipped, text, lines)
+
+
+def status(root: str | Path, stages: list[str], env: dict[str, str] | None = None) -> dict:
+    """``dvc status --json <stages>``: what DVC finds changed for each stage ({} when all are up to date)."""
+    import json
+
+    p = subprocess.run([dvc_executable(), "status", "--json", *stages], cwd=str(root), env=env or stage_env(),
+                       capture_output=True, text=True, timeout=600)
+    if p.returncode != 0:
+        raise StageFailed("status", p.returncode, (p.stdout + p.stderr)[-4000:])
+    text = p.stdout.strip()
+    return json.loads(text[text.index("{"):]) if "{" in text else {}
+
+
+def only_outputs_missing(root: str | Path, stages: list[str], env: dict[str, str] | None = None) -> tuple[bool, str]:
+    """Whether the stages recorded in ``root``'s dvc.lock would give the same results now, in a workspace that
+    merely lacks their outputs (a fresh worktree with an earlier run's dvc.lock put in place).
+
+    DVC compares each stage's command, deps (code, data, the upstream outputs recorded in the lock) and params with
+    the lock; here every change it reports must be an output of a locked stage that is absent ("deleted"), never
+    a modified dep, a changed param or command, or a stage the lock does not have.  Returns (verdict, reason).
+    """
+    import yaml
+
+    lock = yaml.safe_load((Path(root) / "dvc.lock").read_text()) or {}
+    locked = lock.get("stages") or {}
+    outs = {o["path"] for st in locked.values() for o in (st.get("outs") or []) if isinstance(o, dict) and "path" in o}
+    missing = [s for s in stages if s not in locked]
+    if missing:
+        return False, f"dvc.lock has no entry for {', '.join(missing)}"
+    for stage, changes in status(root, stages, env).items():
+        for change in changes:
+            if not isinstance(change, dict):
+                return False, f"{stage}: {change}"
+            for kind, files in change.items():
+                for path, what in (files or {}).items():
+                    if what != "deleted" or path not in outs:
+                        return False, f"{stage}: {kind} {path} {what}"
+    return True, "every stage up to date with the earlier run's dvc.lock (only its outputs are absent here)"

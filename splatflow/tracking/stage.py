@@ -1,0 +1,191 @@
+"""The stage tracker: what a DVC stage process holds while it runs, and the one owner of its SIGTERM.
+
+:func:`stage_tracking` wraps a stage's work (``stage_main`` calls it): it installs :mod:`splatflow.stop`'s SIGTERM
+handler before anything slow, attaches to (or creates) the scene run, and on exit records how the stage ended --
+FINISHED, FAILED with the error, or KILLED when it was stopped (SIGTERM, Ctrl-C), whatever exception the stop
+surfaced as.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from splatflow.tracking import steps
+from splatflow.tracking.metadata import (artifact_files, backend_tags, device_tags, dvc_lock_tags, flatten_params,
+                                         log_files, log_train_plot, numeric_metrics, process_tags, stage_sections)
+from splatflow.tracking.runs import create_scene_run, dvc_ancestor, locked, state_file
+from splatflow.tracking.store import client, enabled, log_batch, repo_root, tracking_uri
+
+class StageTracker:
+    """What ``stage_main`` holds while a stage runs: the scene run, and whether this process owns its status."""
+
+    def __init__(self, stage: str, scene: str, root: Path, params: Any, cl=None, run_id: str | None = None,
+                 owns_status: bool = False):
+        self.stage, self.scene, self.root, self.params = stage, scene, root, params
+        self.client, self.run_id, self.owns_status = cl, run_id, owns_status
+        self.result: dict | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.client is not None and self.run_id is not None
+
+    def log_result(self, metrics: dict) -> None:
+        """Log a stage's final metrics as ``<stage>.<name>`` (called by stage_main after ``run``)."""
+        self.result = dict(metrics or {})
+        if self.active:
+            self._safe(log_batch, self.client, self.run_id, metrics=numeric_metrics(self.result, self.stage),
+                       tags=device_tags(self.stage, self.result))
+
+    def log_artifacts(self, files: Iterable[Path]) -> None:
+        if self.active:
+            self._safe(log_files, self.client, self.run_id, self.root, list(files))
+
+    def _safe(self, fn, *args, **kwargs):
+        """Tracking must never fail a stage: a store that is down costs the log, not the result."""
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001
+            warnings.warn(f"splatflow tracking: {getattr(fn, '__name__', fn)} failed: {e}", stacklevel=2)
+            return None
+
+    def terminate(self, status: str) -> None:
+        if not self.active:
+            return
+        if status == "KILLED" or self.owns_status:
+            self._safe(self.client.set_terminated, self.run_id, status)
+
+    def finish_success(self) -> None:
+        """Artifacts, refreshed provenance tags, then FINISHED (only when this process owns the status)."""
+        if not self.active:
+            return
+        files = self._safe(artifact_files, self.root, self.stage, self.scene) or []
+        self.log_artifacts(files)
+        if self.stage == "train":
+            log_train_plot(self.client, self.run_id, self.root, self.scene)
+        lock = self.root / "dvc.lock"
+        if lock.exists():
+            self.log_artifacts([lock])
+        self._safe(log_batch, self.client, self.run_id, tags={**dvc_lock_tags(self.root, self.scene),
+                                                               f"splatflow.stage.{self.stage}": "done"})
+        self.terminate("FINISHED")
+
+
+def open_run(stage: str, scene: str, root: Path, params: Any) -> StageTracker:
+    """Resolve the scene run (the rules in :mod:`splatflow.tracking`'s docstring) and start logging this stage
+    into it."""
+    uri = tracking_uri(root)
+    cl = client(uri)
+    run_id = os.environ.get("MLFLOW_RUN_ID", "").strip() or None
+    owns = False
+    state = state_file(root, scene)
+    if run_id is None:
+        anc = dvc_ancestor()
+        with locked(state):
+            prev = None
+            if anc is not None and state.exists():
+                with contextlib.suppress(Exception):
+                    prev = json.loads(state.read_text())
+            if (prev and anc and prev.get("dvc_pid") == anc[0] and abs(prev.get("dvc_start", 0) - anc[1]) < 1e-2
+                    and prev.get("tracking_uri") == uri):
+                run_id = prev["run_id"]
+            else:
+                run_id = create_scene_run(cl, scene, root, params, uri=uri,
+                                          tags={"splatflow.started_by": "dvc" if anc else "stage"})
+                if anc is not None:
+                    state.write_text(json.dumps({"run_id": run_id, "dvc_pid": anc[0], "dvc_start": anc[1],
+                                                 "tracking_uri": uri, "created": time.time()}) + "\n")
+        owns = True
+        cl.update_run(run_id, status="RUNNING")
+    tracker = StageTracker(stage, scene, root, params, cl, run_id, owns_status=owns)
+    sections = stage_sections(root, stage)
+    if sections is not None:  # foreach stages declare per-scene keys (base.scenes.${key})
+        sections = [s.replace("${key}", scene) for s in sections]
+    tags = {**backend_tags(params), f"splatflow.stage.{stage}": "running"}
+    if owns:
+        tags.update(process_tags())
+    tracker._safe(log_batch, cl, run_id, params=flatten_params(params, sections), tags=tags)
+    return tracker
+
+
+@contextlib.contextmanager
+def stage_tracking(stage: str, scene: str, params: Any = None, paths: Any = None) -> Iterator[StageTracker]:
+    """Wrap one stage's work: attach to (or create) the scene run, log params, then on exit metrics,
+    artifacts, provenance tags and the status (FINISHED / FAILED / KILLED on SIGTERM or Ctrl-C).
+
+    Use::
+
+        with stage_tracking("train", scene, params, paths) as tracker:
+            metrics = run(params, paths)
+            tracker.log_result(metrics)
+
+    A failure to reach the tracking store is a warning, never a stage failure.
+    """
+    from splatflow import stop
+
+    root = Path(getattr(paths, "root", None) or repo_root()).resolve()
+    # This process's one SIGTERM owner (splatflow.stop), installed before anything that may take a while, so a
+    # SIGTERM while the run is being opened is recorded too; opening is not interrupted half-way.
+    prev_handler = stop.install()
+    try:
+        with stop.cooperative():
+            tracker = open_run(stage, scene, root, params) if enabled() else StageTracker(stage, scene, root, params)
+    except Exception as e:  # noqa: BLE001 - tracking must not stop the pipeline
+        warnings.warn(f"splatflow tracking disabled for this stage: cannot reach {tracking_uri(root)}: {e}",
+                      stacklevel=2)
+        tracker = StageTracker(stage, scene, root, params)
+    steps.set_active(tracker)
+    try:
+        stop.raise_if_requested("before the stage started")
+        yield tracker
+    except BaseException as e:
+        with stop.cooperative():  # the status must be written whole, also when a second SIGTERM comes
+            if tracker.active:
+                if isinstance(e, (KeyboardInterrupt, stop.StageStopped)) or (
+                        isinstance(e, SystemExit) and e.code == stop.STOP_EXIT_CODE) or (
+                        stop.requested() and not (isinstance(e, SystemExit) and e.code in (0, None))):
+                    # (the last: a stop raised inside a callback from native code, e.g. numba's, reaches us
+                    # wrapped in another exception; it is still the stop)
+                    tracker._safe(log_batch, tracker.client, tracker.run_id,
+                                  tags={f"splatflow.stage.{stage}": "stopped"})
+                    tracker.terminate("KILLED")
+                elif isinstance(e, SystemExit) and e.code in (0, None):
+                    tracker.finish_success()
+                else:
+                    tracker._safe(log_batch, tracker.client, tracker.run_id,
+                                  tags={f"splatflow.stage.{stage}": "failed",
+                                        "splatflow.error": f"{stage}: {type(e).__name__}: {e}"[:4000]})
+                    tracker.terminate("FAILED")
+        raise
+    else:
+        with stop.cooperative():  # the work is done: finish recording it even if SIGTERM comes now
+            tracker.finish_success()
+    finally:
+        steps.set_active(None)
+        with stop.cooperative():
+            steps.flush_all()
+        stop.restore(prev_handler)
+
+
+def log_stage(scene: str, stage: str, params: Any = None, metrics: dict | None = None,
+              artifacts: Iterable[Path] | None = None, run_id: str | None = None, root: Path | None = None) -> None:
+    """Log one stage's params, final metrics and artifacts into a given run (or ``MLFLOW_RUN_ID``) at once.
+
+    For code that does not go through ``stage_main`` (e.g. a flow logging results it read back).
+    """
+    if not enabled():
+        return
+    root = Path(root or repo_root()).resolve()
+    run_id = run_id or os.environ.get("MLFLOW_RUN_ID")
+    if not run_id:
+        raise ValueError("log_stage needs a run id (argument or MLFLOW_RUN_ID)")
+    cl = client(tracking_uri(root))
+    log_batch(cl, run_id, params=flatten_params(params, stage_sections(root, stage)) if params else None,
+               metrics=numeric_metrics(metrics or {}, stage))
+    log_files(cl, run_id, root, artifacts if artifacts is not None else artifact_files(root, stage, scene))
+

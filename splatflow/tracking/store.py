@@ -1,0 +1,98 @@
+"""Where runs go: the tracking switch, the store's URI (a sqlite file at the repo root unless set), the client,
+the experiment, links to the UI, and the one batched write every other part of the package uses."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from pathlib import Path
+
+DEFAULT_EXPERIMENT = "splatflow"
+
+
+#: MLflow 3's UI opens an experiment in its GenAI view unless this tag marks it for model training.
+EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
+#: Where ``splatflow ui`` serves the MLflow UI (used for links when the tracking URI is a local database).
+DEFAULT_UI_URL = "http://127.0.0.1:5000"
+
+
+def enabled() -> bool:
+    """False when ``SPLATFLOW_TRACKING`` is ``off``/``0``/``false`` (unit tests)."""
+    return os.environ.get("SPLATFLOW_TRACKING", "on").strip().lower() not in {"off", "0", "false", "no"}
+
+
+# One way to find the project root (seen through DVC's temporary experiment workspaces): splatflow.paths.
+from splatflow.paths import repo_root  # noqa: E402,F401
+
+
+def tracking_uri(root: str | Path | None = None) -> str:
+    """``MLFLOW_TRACKING_URI`` if set, else ``sqlite:///<repo root>/mlflow.db`` (MLflow 3 refuses the file store)."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "").strip()
+    if uri:
+        return uri
+    return f"sqlite:///{repo_root(root) / 'mlflow.db'}"
+
+
+def _quiet_mlflow_env() -> None:
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
+
+
+def client(uri: str | None = None):
+    """An ``MlflowClient`` on the splatflow tracking URI."""
+    _quiet_mlflow_env()
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri or tracking_uri())
+
+
+def experiment_id(cl, name: str | None = None, uri: str | None = None) -> str:
+    """Get or create the experiment (``MLFLOW_EXPERIMENT_NAME`` or ``splatflow``).
+
+    With a local sqlite store the artifact root is pinned next to the database (``mlartifacts/``): MLflow's own
+    default is ``./mlruns`` relative to whatever the cwd is, which scatters artifacts over worktrees.
+    """
+    name = name or os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT
+    exp = cl.get_experiment_by_name(name)
+    if exp is not None:
+        if EXPERIMENT_KIND_TAG not in (exp.tags or {}):
+            with contextlib.suppress(Exception):
+                cl.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+        return exp.experiment_id
+    uri = uri or getattr(getattr(cl, "_tracking_client", None), "tracking_uri", None)
+    location = None
+    if uri and uri.startswith("sqlite:///"):
+        location = (Path(uri[len("sqlite:///"):]).parent / "mlartifacts").resolve().as_uri()
+    try:
+        return cl.create_experiment(name, artifact_location=location, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
+    except Exception:  # another process created it between our get and create
+        exp = cl.get_experiment_by_name(name)
+        if exp is None:
+            raise
+        return exp.experiment_id
+
+
+def run_ui_url(experiment: str, run_id: str, uri: str | None = None) -> str:
+    """The run's page in the MLflow UI: the tracking server itself, or ``SPLATFLOW_MLFLOW_UI`` (default
+    ``splatflow ui``'s address) when runs go to a local database.  ``workflowType=machine_learning`` opens MLflow
+    3.17's UI in its model-training view (its default is the GenAI one, a per-browser setting)."""
+    uri = uri or tracking_uri()
+    base = uri if uri.startswith(("http://", "https://")) else os.environ.get("SPLATFLOW_MLFLOW_UI", DEFAULT_UI_URL)
+    return f"{base.rstrip('/')}/#/experiments/{experiment}/runs/{run_id}?workflowType=machine_learning"
+
+
+def log_batch(cl, run_id: str, *, params: dict | None = None, metrics: dict | None = None, step: int = 0,
+              tags: dict | None = None, timestamp_ms: int | None = None) -> None:
+    """Params, metrics (all at ``step``) and tags in as few ``log_batch`` calls as MLflow allows (one costs ~20 ms)."""
+    from mlflow.entities import Metric, Param, RunTag
+
+    ts = timestamp_ms or int(time.time() * 1000)
+    m = [Metric(k, v, ts, step) for k, v in (metrics or {}).items()]
+    p = [Param(k, v[:6000]) for k, v in (params or {}).items()]
+    t = [RunTag(k, str(v)[:5000]) for k, v in (tags or {}).items()]
+    # MLflow limits one batch to 1000 metrics, 100 params, 100 tags.
+    while m or p or t:
+        cl.log_batch(run_id, metrics=m[:1000], params=p[:100], tags=t[:100])
+        m, p, t = m[1000:], p[100:], t[100:]
+
