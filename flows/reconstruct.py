@@ -1,6 +1,6 @@
 """Prefect flow ``reconstruct``: one scene through the whole DVC pipeline, one Prefect task per DVC stage.
 
-Only wiring (DESIGN.md §2): DVC owns the graph and decides what is stale; this flow asks DVC for the stage order,
+Only wiring (docs/design.md §2): DVC owns the graph and decides what is stale; this flow asks DVC for the stage order,
 runs each stage with ``dvc repro --single-item <stage>@<scene>`` in its own process group
 (:mod:`splatflow.orchestrate.dvcrun`), and owns the scene's MLflow run, which the stages attach to through
 ``MLFLOW_RUN_ID``.  Tasks are not cached: DVC already skips unchanged stages in about a second, and a Prefect cache

@@ -1,4 +1,4 @@
-"""Evaluation under the standard novel-view-synthesis protocol (DESIGN.md section 6).
+"""Evaluation under the standard novel-view-synthesis protocol (docs/design.md §6).
 
 * Only the split's TEST views are opened (the split's rule: every 8th image by name, as Mip-NeRF 360 and the
   3DGS paper, Kerbl et al. 2023); training images are never read, so a number here is never a training-set score.

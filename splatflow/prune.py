@@ -23,7 +23,7 @@ Phases: pruning all the way to 10% at once destroys the scene; pruning in steps 
 (the "prune and recover" of the paper, here repeated) lets the survivors adapt. Each phase re-scores the current
 model, so a Gaussian that became important after the previous recovery is kept. Pruning stops early, keeping the
 last accepted phase, when the PSNR on a few TRAINING views falls more than a tolerance below the unpruned model's
-(test views stay untouched, DESIGN.md §6).
+(test views stay untouched, docs/design.md §6).
 
 Deviations from LightGaussian, each measured on the demo scene (bench/RESULTS.md, session 4), all configurable:
 

@@ -1,6 +1,6 @@
 """Run DVC stages from orchestration code: the stage order from DVC's own graph, one stage per process group.
 
-DVC owns the DAG (DESIGN.md §2): the flows never list stages themselves, they ask DVC.  Each stage runs as
+DVC owns the DAG (docs/design.md §2): the flows never list stages themselves, they ask DVC.  Each stage runs as
 ``dvc repro --single-item <stage>@<scene>`` in a new session (its own process group), so that a cancel or a
 timeout can stop the whole stage -- ``dvc``, the shell it spawns and the python stage below it -- and not just
 the direct child.  DVC itself leaves the workspace consistent after such a kill: the stage's dvc.lock entry is
@@ -57,7 +57,7 @@ def dvc_executable() -> str:
 
 
 def stage_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment for DVC subprocesses: venv bin first on PATH (DESIGN.md §3), quiet telemetry, unbuffered."""
+    """Environment for DVC subprocesses: venv bin first on PATH (docs/design.md §3), quiet telemetry, unbuffered."""
     env = os.environ.copy()
     env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")

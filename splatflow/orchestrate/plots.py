@@ -1,6 +1,6 @@
 """Plots as PNG files, rendered by us with matplotlib.
 
-``dvc plots show`` writes HTML that loads vega from the web, so offline it is blank (DESIGN.md §3); a PNG of the
+``dvc plots show`` writes HTML that loads vega from the web, so offline it is blank (docs/design.md §3); a PNG of the
 same CSV is what lands in MLflow and what ``splatflow plots`` writes next to the CSV.
 """
 

@@ -7,7 +7,7 @@ which proves nothing), log the run to MLflow tagged ``splatflow.rerun_of=<origin
 final metric of the original run next to the rerun's.
 
 Tolerance: a metric matches when ``|rerun - original| <= atol + rtol * |original|`` (defaults ``rtol=1e-2``,
-``atol=1e-6``).  One percent is what COLMAP's run-to-run variation allows even with a fixed seed (DESIGN.md §3);
+``atol=1e-6``).  One percent is what COLMAP's run-to-run variation allows even with a fixed seed (docs/design.md §3);
 training itself is deterministic on the CPU backend for a fixed seed and thread count.  Wall-clock metrics
 (``*seconds*``, ``*_s``, ``*time*``, ``*per_s*``, ``*fps*``) and memory (``*rss*``) are shown but never judged.
 SfM camera errors, which sit near zero, are judged with the absolute tolerances of :data:`ABS_TOLERANCES`.
@@ -35,7 +35,7 @@ ATOL = 1e-6
 #: Wall-clock and memory measurements: shown, never judged.
 TIMING = re.compile(r"(seconds|_s$|_s\b|time|per_s|fps|_ms$|throughput|rss|memory)", re.IGNORECASE)
 #: Metrics that are errors near zero, where a relative tolerance is meaningless: absolute tolerances instead.
-#: COLMAP's run-to-run jitter (DESIGN.md §3) moves camera errors by ~1e-5 of the orbit and ~0.01 deg.
+#: COLMAP's run-to-run jitter (docs/design.md §3) moves camera errors by ~1e-5 of the orbit and ~0.01 deg.
 ABS_TOLERANCES = {
     "camera_center_error_rel": 1e-3,  # 0.1 % of the orbit extent
     "camera_rotation_error_deg": 0.05,

@@ -1,6 +1,6 @@
 """Start and stop the Prefect and MLflow servers (``splatflow ui``, the real-server tests).
 
-Both bind to 127.0.0.1 by default and are started with the low-memory settings measured in DESIGN.md §3:
+Both bind to 127.0.0.1 by default and are started with the low-memory settings measured in docs/design.md §3:
 
 * Prefect (default port 4200): ``prefect server start --host 127.0.0.1`` with ``PREFECT_SERVER_ANALYTICS_ENABLED=false``;
   its database lives in ``PREFECT_HOME`` (``<repo>/.splatflow/prefect`` unless set).  Healthy in ~10 s.

@@ -1,6 +1,6 @@
 """MLflow tracking for splatflow: one MLflow run per scene per pipeline run, whoever starts the pipeline.
 
-Why this package exists (DESIGN.md §2): DVC owns the graph and Prefect runs it, but a run of the pipeline must
+Why this package exists (docs/design.md §2): DVC owns the graph and Prefect runs it, but a run of the pipeline must
 still show up as *one* MLflow run per scene with the params, live training curves, final metrics of every stage,
 the exported PLY/.splat/.spz, renders, plots and ``dvc.lock`` -- whether it was started by a Prefect flow, by a
 batch, by ``splatflow rerun`` or by a plain ``dvc repro`` in a checkout.

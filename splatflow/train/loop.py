@@ -257,7 +257,7 @@ class Trainer:
         self.sink.event(ev)
 
     def _check_gradients(self, view_name: str) -> None:
-        """Gradient health (issue 4 item 7): all-zero gradients mean the loss does not reach the Gaussians."""
+        """Gradient health: all-zero gradients mean the loss does not reach the Gaussians."""
         self._grad_checked = True
         dead = [k for k in ("means", "sh0", "opacities")
                 if self.params[k].grad is None or not bool(self.params[k].grad.abs().sum() > 0)]
