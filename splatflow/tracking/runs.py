@@ -188,20 +188,30 @@ def scene_run(scene: str, root: str | Path, *, stages: Iterable[str] = (), param
         run.client = client(uri)
         run.run_id = create_scene_run(run.client, scene, root, params, uri=uri, parent_run_id=parent_run_id,
                                       run_name=run_name, tags=tags, seed_metrics=seed_metrics)
+    def end(status: str) -> None:
+        if run.finalize:
+            finalize_scene_run(run.client, run.run_id, root, scene, run.stages, status)
+        else:
+            with contextlib.suppress(Exception):
+                run.client.set_terminated(run.run_id, status)
+
+    with _ended_by(run, end):
+        yield run
+
+
+@contextlib.contextmanager
+def _ended_by(run: "SceneRun", end: Any) -> Iterator[None]:
+    """Run the body; afterwards, if ``run`` is active, ``end(status)``: the status the body set on ``run``, else
+    FINISHED, or what :func:`status_for` makes of the exception that left the body (KILLED for a stop)."""
     error: BaseException | None = None
     try:
-        yield run
+        yield
     except BaseException as e:
         error = e
         raise
     finally:
-        status = status_for(error) if error is not None or run.status is None else run.status
         if run.active:
-            if run.finalize:
-                finalize_scene_run(run.client, run.run_id, root, scene, run.stages, status)
-            else:
-                with contextlib.suppress(Exception):
-                    run.client.set_terminated(run.run_id, status)
+            end(status_for(error) if error is not None or run.status is None else run.status)
 
 
 @contextlib.contextmanager
@@ -222,22 +232,17 @@ def batch_run(root: str | Path, *, name: str, tags: dict | None = None, params: 
         created = run.client.create_run(exp, run_name=name, tags={**(tags or {}), **process_tags()})
         run.run_id = created.info.run_id
         run.log(params=params)
-    error: BaseException | None = None
-    try:
+    def end(status: str) -> None:
+        if before_end is not None:
+            try:
+                before_end(run.client, run.run_id)
+            except Exception as e:  # noqa: BLE001
+                warnings.warn(f"splatflow tracking: closing batch run {run.run_id}: {e}", stacklevel=2)
+        with contextlib.suppress(Exception):
+            run.client.set_terminated(run.run_id, status)
+
+    with _ended_by(run, end):
         yield run
-    except BaseException as e:
-        error = e
-        raise
-    finally:
-        status = status_for(error) if error is not None or run.status is None else run.status
-        if run.active:
-            if before_end is not None:
-                try:
-                    before_end(run.client, run.run_id)
-                except Exception as e:  # noqa: BLE001
-                    warnings.warn(f"splatflow tracking: closing batch run {run.run_id}: {e}", stacklevel=2)
-            with contextlib.suppress(Exception):
-                run.client.set_terminated(run.run_id, status)
 
 
 def child_runs(cl, parent_id: str) -> list:

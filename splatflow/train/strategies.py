@@ -233,10 +233,7 @@ def relocate(params: Params, optimizers: Optimizers, state: dict, mask: torch.Te
     idx, new_o, new_s = _sample_shared(params, coef, n, alive_idx, min_opacity)
 
     def param_fn(name, p):
-        if name == "opacities":
-            p[idx] = torch.logit(new_o)
-        elif name == "scales":
-            p[idx] = torch.log(new_s)
+        _set_sampled(name, p, idx, new_o, new_s)
         p[dead_idx] = p[idx]
         return torch.nn.Parameter(p, requires_grad=p.requires_grad)
 
@@ -248,6 +245,15 @@ def relocate(params: Params, optimizers: Optimizers, state: dict, mask: torch.Te
     for v in state.values():
         if isinstance(v, torch.Tensor):
             v[idx] = 0
+
+
+def _set_sampled(name: str, p: torch.Tensor, idx: torch.Tensor, new_o: torch.Tensor, new_s: torch.Tensor) -> None:
+    """Give the drawn Gaussians ``idx`` their shared opacity and scale (3DGS-MCMC's moment-preserving split), in
+    the raw parametrisation of tensor ``name`` (logit opacities, log scales); other tensors are left as they are."""
+    if name == "opacities":
+        p[idx] = torch.logit(new_o)
+    elif name == "scales":
+        p[idx] = torch.log(new_s)
 
 
 @torch.no_grad()
@@ -263,10 +269,7 @@ def sample_add(params: Params, optimizers: Optimizers, state: dict, n: int, coef
     idx, new_o, new_s = _sample_shared(params, coef, n, None, min_opacity)
 
     def param_fn(name, p):
-        if name == "opacities":
-            p[idx] = torch.logit(new_o)
-        elif name == "scales":
-            p[idx] = torch.log(new_s)
+        _set_sampled(name, p, idx, new_o, new_s)
         return torch.nn.Parameter(torch.cat([p, p[idx]]), requires_grad=p.requires_grad)
 
     def optimizer_fn(key, v):
