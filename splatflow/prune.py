@@ -1,5 +1,8 @@
-"""Global-significance pruning with recovery (LightGaussian, Fan et al., "LightGaussian: Unbounded 3D Gaussian
-Compression with 15x Reduction and 200+ FPS", NeurIPS 2024, arXiv:2311.17245, §3.2).
+"""Phased pruning with recovery after LightGaussian (Fan et al., "LightGaussian: Unbounded 3D Gaussian Compression
+with 15x Reduction and 200+ FPS", NeurIPS 2024, arXiv:2311.17245, §3.2). Each Gaussian is ranked by the exact cost
+of removing it (the default, see the deviations below) or by LightGaussian's global significance. With
+``train.prune_during`` (the default) the same ranking cuts the model inside training and the prune stage only
+verifies and copies it (:mod:`splatflow.train.prune_during`).
 
 Why: densification leaves many Gaussians that barely change any pixel (tiny, transparent, or hidden behind
 others). They cost memory, disk and render time for nothing. LightGaussian ranks every Gaussian by how much it
