@@ -59,7 +59,7 @@ import pytest  # noqa: E402
 
 from splatflow.render.filters import GaussianBlurCPU, SSIMCPU, band_matrix, gaussian_taps  # noqa: E402
 from splatflow.render.ssim import ssim_torch  # noqa: E402
-from splatflow.train.schedules import gaussian_blur, gaussian_blur_pair, gaussian_blur_torch  # noqa: E402
+from splatflow.render.blur import gaussian_blur, gaussian_blur_pair, gaussian_blur_torch  # noqa: E402
 
 
 def _pair(shape, dtype, seed):

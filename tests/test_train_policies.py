@@ -10,7 +10,8 @@ import torch
 
 from splatflow.config import ConfigError, TrainConfig, params_from_dict
 from splatflow.scene.images import ImageCache, scale_intrinsics
-from splatflow.train.schedules import ExpDecay, PlateauStopper, Schedules, gaussian_blur
+from splatflow.render.blur import gaussian_blur
+from splatflow.train.schedules import ExpDecay, PlateauStopper, Schedules
 from splatflow.train.strategies import (BudgetedDefaultStrategy, Strategy, TorchMCMCStrategy,
                                         compute_relocation_torch, relocate, relocation_coefficients, rendered,
                                         sample_add)

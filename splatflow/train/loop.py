@@ -32,7 +32,6 @@ from splatflow.errors import UserError
 from splatflow.model import SPLAT_KEYS, Checkpoint, Splats, init_splats, scene_scale
 from splatflow.scene.images import ImageCache
 from splatflow.train import checkpoint, optim
-from splatflow.train.checkpoint import config_hash  # noqa: F401 - part of this module's interface
 from splatflow.train.prune_during import PruneDuring
 from splatflow.train.rng import RunRNG
 from splatflow.train.schedules import (BlurSchedule, ExpDecay, PlateauStopper, ResolutionSchedule, Schedules,
@@ -73,6 +72,14 @@ class TrainResult:
     resumed_from: int | None = None  # step of the unfinished checkpoint this run continued, if any
     device: dict = field(default_factory=dict)  # splatflow.device.run_record: what ran, peak GPU memory
     prune_during: dict | None = None  # train.prune_during's report (PruneDuring.report), when it ran
+
+
+def _render_psnr(rgb: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None) -> float:
+    """Training-time PSNR of a render ``[H, W, 3]`` (clamped to [0, 1]) against its target, over the kept pixels
+    when a mask keeps any; the MSE is floored at 1e-12 so a perfect fit logs a finite number."""
+    err = (rgb.clamp(0, 1) - target) ** 2  # [H, W, 3]
+    mse = float(err.mean() if mask is None or not bool(mask.any()) else err[mask].mean())
+    return -10.0 * math.log10(max(mse, 1e-12))
 
 
 class Trainer:
@@ -174,9 +181,7 @@ class Trainer:
         vals = []
         for i in self.val_ids:
             rgb, target, vinfo = self.render(i, self.cfg.early_stop.val_factor, deg)
-            err = (rgb.clamp(0, 1) - target) ** 2  # [H, W, 3]
-            mse = float(err.mean() if vinfo["loss_mask"] is None else err[vinfo["loss_mask"]].mean())
-            vals.append(-10.0 * math.log10(max(mse, 1e-12)))
+            vals.append(_render_psnr(rgb, target, vinfo["loss_mask"]))
         return float(np.mean(vals))
 
     # ------------------------------------------------------------------------------------------ one step
@@ -242,10 +247,7 @@ class Trainer:
         """PSNR of the last :meth:`train_step`'s render against its target (over the kept pixels with a mask),
         computed only for the rows the loop keeps. The step leaves its render and target for it; both are its own
         tensors (the image cache hands out a fresh target per call), so validation in between changes neither."""
-        rgb, target, mask = self._psnr_inputs
-        err = (rgb.clamp(0, 1) - target) ** 2  # [H, W, 3]
-        mse = float(err.mean() if mask is None or not bool(mask.any()) else err[mask].mean())
-        return -10.0 * math.log10(max(mse, 1e-12))
+        return _render_psnr(*self._psnr_inputs)
 
     def _visible_adam_step(self, info: dict) -> None:
         """Adam on the Gaussians this step's render reached (:func:`splatflow.train.optim.visible_step`)."""

@@ -16,8 +16,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from splatflow.render.blur import gaussian_blur, gaussian_blur_pair, gaussian_blur_torch  # noqa: F401  (the step's blur)
-
 
 @dataclass(frozen=True)
 class ResolutionSchedule:
