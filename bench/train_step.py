@@ -20,6 +20,10 @@ system and took back) with the system CPU time they cost. Parts that a given cod
 torch ops, whose backward autograd runs itself) land in "other".
 
     python bench/train_step.py [--threads 2] [--steps 30] [--blur-sigma 2.4] [--json PATH] [--profile]
+    python bench/train_step.py --checkpoint /tmp/splatflow_train_demo/ckpt.pt [--at-step 3000]
+
+``--checkpoint`` times steps of a real run instead: the 800x600 scene ``bench/train_demo.py`` left in ``--work`` and
+a checkpoint of its run (e.g. 120K Gaussians late in training, on training windows of ``train.patch_max_pixels``).
 """
 
 from __future__ import annotations
@@ -175,8 +179,6 @@ class PartTimer:
             self.patch(getattr(filt, "BlurredL1SSIMCPU", None), "forward", "blur")
             self.patch(getattr(filt, "BlurredL1SSIMCPU", None), "backward", "blur")
             self.patch(filt, "_ssim_kernel", "SSIM")
-        else:  # a version without the blur Function: time the forward call; its backward lands in "other"
-            self.patch(mod("splatflow.train.loop"), "gaussian_blur", "blur")
         for opt in trainer.optimizers.values():
             self.patch(opt, "step", "Adam")
         if trainer.strategy is not None:
@@ -205,6 +207,11 @@ def bench_case(name, n, w, h, steps, tmp, profile=False, blur_sigma=2.4):
     tr = Trainer(scene, cfg, schedules=sched, splats=splats)
     tr.step = 1  # past step 0: the first-backward gradient check is a one-off
     tr._grad_checked = True
+    return dict(time_steps(tr, steps, profile), name=name, gaussians=n, width=w, height=h, blur_sigma=blur_sigma)
+
+
+def time_steps(tr, steps: int, profile: bool = False) -> dict:
+    """Time ``steps`` calls of ``tr.train_step()`` (after 3 warm-up steps) with the part timers installed."""
     for _ in range(3):  # warm-up: numba kernels (cached compile), caches
         tr.train_step()
     times = []
@@ -233,14 +240,39 @@ def bench_case(name, n, w, h, steps, tmp, profile=False, blur_sigma=2.4):
 
         prof.disable()
         pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
-    return {"name": name, "gaussians": n, "width": w, "height": h,
-            "step_ms": round(1000 * statistics.median(times), 2),
-            "step_ms_min": round(1000 * min(times), 2), "cpu_ms": round(cpu_ms, 2), "blur_sigma": blur_sigma,
+    return {"step_ms": round(1000 * statistics.median(times), 2),
+            "step_ms_min": round(1000 * min(times), 2), "cpu_ms": round(cpu_ms, 2),
             "parts_ms": _shares(parts.seconds, sum(times), steps),
             "parts_cpu_ms": _shares(parts.cpu_seconds, cpu_ms * steps / 1000, steps),
             "sys_ms": round(1000 * (cpu1.system - cpu0.system) / steps, 2),
             "faults": {**{k: round(v / steps) for k, v in parts.faults.items()},
                        "step": round((flt1 - flt0) / steps)}}
+
+
+def checkpoint_case(work: Path, ckpt: Path, step: int | None, steps: int, profile: bool = False) -> dict:
+    """Steps of a real run: ``bench/train_demo.py``'s scene in ``work`` and a checkpoint it wrote, continued at
+    ``step`` (default: the checkpoint's) with ``params.yaml``'s train section (the schedules of that step:
+    resolution, training window, blur, SH degree; densification statistics accumulate, no refine event is timed)."""
+    from splatflow.config import load_params
+    from splatflow.model import Checkpoint
+    from splatflow.scene.dataset import load_scene
+    from splatflow.train import Trainer
+
+    root = Path(__file__).resolve().parents[1]
+    cfg = load_params(root / "params.yaml").train
+    cfg = replace(cfg, progress=False, backend="cpu", resume=False,
+                  early_stop=replace(cfg.early_stop, enabled=False),
+                  prune_during=replace(cfg.prune_during, enabled=False))
+    scene = load_scene(work / "undistorted", work / "split.json")
+    tr = Trainer(scene, cfg)
+    tr.load_state_dict(Checkpoint.load(ckpt))
+    tr._grad_checked = True
+    if step is not None:
+        tr.step = step
+    r = time_steps(tr, steps, profile)
+    w, h = tr.cache.shape(0, tr.sched.resolution.factor(tr.step))
+    return dict(r, name=f"{ckpt.name}@{tr.step}", gaussians=tr.params["means"].shape[0], width=w, height=h,
+                blur_sigma=tr.sched.blur.sigma(tr.step), patch_max_pixels=cfg.patch_max_pixels)
 
 
 def _shares(seconds: dict, total_s: float, steps: int) -> dict:
@@ -259,6 +291,12 @@ def main(argv=None):
     ap.add_argument("--cases", default="all", help="comma-separated case names (default: all)")
     ap.add_argument("--blur-sigma", type=float, default=2.4,
                     help="training blur sigma in px during the timed steps (default 2.4, the schedule's start; 0: off)")
+    ap.add_argument("--checkpoint", type=Path, metavar="CKPT", action="append", default=[],
+                    help="also time steps of a real run: a checkpoint bench/train_demo.py wrote in --work")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/splatflow_train_demo"),
+                    help="bench/train_demo.py's work folder (scene and split) for --checkpoint")
+    ap.add_argument("--at-step", type=int, default=None,
+                    help="continue --checkpoint at this step's schedules (default: the checkpoint's step)")
     args = ap.parse_args(argv)
 
     from splatflow.render import configure_threads
@@ -266,11 +304,17 @@ def main(argv=None):
     configure_threads(args.threads)
     load0 = os.getloadavg()[0]
     results = []
+    jobs = [(name, n, w, h) for name, n, w, h in CASES if args.cases == "all" or name in args.cases.split(",")]
+    if args.checkpoint and args.cases == "all":  # --checkpoint alone times only the real run
+        jobs = []
+    jobs += [(ck, None, None, None) for ck in args.checkpoint]
     with tempfile.TemporaryDirectory() as d:
-        for name, n, w, h in CASES:
-            if args.cases != "all" and name not in args.cases.split(","):
-                continue
-            r = bench_case(name, n, w, h, args.steps, Path(d), args.profile, args.blur_sigma)
+        for name, n, w, h in jobs:
+            if n is None:
+                r = checkpoint_case(args.work, name, args.at_step, args.steps, args.profile)
+                name = f"{r['name']} ({r['gaussians']} G, {r['width']}x{r['height']})"
+            else:
+                r = bench_case(name, n, w, h, args.steps, Path(d), args.profile, args.blur_sigma)
             results.append(r)
             print(f"{name:>12}: {r['step_ms']:7.1f} ms/step (median of {args.steps}; min {r['step_ms_min']:.1f}); "
                   f"CPU {r['cpu_ms']:.1f} ms/step = {r['cpu_ms'] / args.threads:.1f} ms per thread", flush=True)

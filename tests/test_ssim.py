@@ -1,5 +1,7 @@
 """The fast SSIM equals a direct 11x11 conv2d implementation of the 3DGS formula, value and gradient."""
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -313,3 +315,23 @@ def test_blurred_l1_ssim_gradcheck_float64():
     x.requires_grad_()
     assert torch.autograd.gradcheck(lambda t: BlurredL1SSIMCPU.apply(t, y, 1.3, 4, True), (x,))
     assert torch.autograd.gradcheck(lambda t: BlurredL1SSIMCPU.apply(t, y, 0.6, 2, True), (x,))
+
+
+def test_filter_kernels_compile_first_in_a_fresh_process(tmp_path):
+    """The blur kernel compiles when it is the first numba function a process compiles (every other kernel loaded
+    from the cache, e.g. training after a run that never blurred): a constant-array idiom in it used to fail
+    numba's rewrite pass there with ``AssertionError: key already in dictionary``."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import numpy as np\n"
+            "from splatflow.render import filters as F\n"
+            "a = np.random.default_rng(0).random((3, 40, 50)).astype(np.float32)\n"
+            "out, _ = F._blur_kernel(a, None, 2.4, 8, False)\n"
+            "print(float(abs(out.mean() - a.mean())) < 0.05)\n")
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"))
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "True"

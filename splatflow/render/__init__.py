@@ -136,7 +136,7 @@ def rasterize(
         proj = project_cpu(means, quats, scales, opacities, colors if sh_degree is not None else None, viewmats,
                            Ks, width, height, near_plane=near_plane, far_plane=far_plane, eps2d=eps2d,
                            antialiased=rasterize_mode == "antialiased", radius_clip=radius_clip,
-                           sh_degree=sh_degree)
+                           sh_degree=sh_degree, window=window)
         if sh_degree is not None:
             rgb = proj["colors"]  # [C, N, 3]
         else:

@@ -35,6 +35,17 @@ ZERO, REFLECT, REFLECT_T = 0, 1, 2  # padding modes of the row filter (REFLECT_T
 BATCH_ROWS = 4  # output rows per batch of the SSIM kernel's column stencils (see there)
 
 
+@nb.njit(cache=True, inline="always")
+def _typed(value, like):
+    """``value`` as a scalar of ``like``'s dtype (float32 rows stay float32). Not ``np.array([value],
+    dtype=...)[0]``: numba rewrites such constant-array calls, and that rewrite failed with ``AssertionError: key
+    already in dictionary: '$np_typ_var.1'`` whenever this module's kernel was the first function a process
+    compiled (its other kernels loaded from the cache), e.g. a training run after a run that never blurred."""
+    out = np.empty(1, dtype=like.dtype)
+    out[0] = value
+    return out[0]
+
+
 @nb.njit(cache=True)
 def build_band(n, taps, reflect, transpose):
     """The band ``(band [n, L] float64, start [n], lo, hi)`` of the filter ``taps`` (odd length ``2r + 1``) along
@@ -237,7 +248,7 @@ def ssim_fused(x, y, taps, bh, sh, want_x, want_y, chunk):
     R = L + B - 1  # ring rows: the reach of one batch
     C1 = 0.01 ** 2
     C2 = 0.03 ** 2
-    two = np.array([2.0], dtype=x.dtype)[0]  # typed: the gradient rows stay in the storage type
+    two = _typed(2.0, x)  # typed: the gradient rows stay in the storage type
     need = want_x or want_y
     nc = (H + chunk - 1) // chunk
     row_sums = np.zeros(P * H, dtype=np.float64)
@@ -351,7 +362,7 @@ def add_sign_grad(g, x, y, a, b):
     n = x.shape[0]
     out = np.empty(n, dtype=x.dtype)
     has_g = g.shape[0] == n
-    one = np.array([1.0], dtype=x.dtype)[0]
+    one = _typed(1.0, x)
     for i in nb.prange(n):
         d = x[i] - y[i]
         v = b * ((one if d > 0 else 0 * one) - (one if d < 0 else 0 * one))
@@ -384,10 +395,10 @@ def separable_filter(src, src2, taps, mode, bh, sh, chunk, lx, ly, a, b):
     r = (taps.shape[0] - 1) // 2
     nc = (H + chunk - 1) // chunk
     combine = lx.shape[0] > 0
-    one = np.array([1.0], dtype=src.dtype)[0]  # typed constants: the rows stay in the storage type
+    one = _typed(1.0, src)  # typed constants: the rows stay in the storage type
     zero = one - one
-    ta = np.array([a], dtype=src.dtype)[0]
-    tb = np.array([b], dtype=src.dtype)[0]
+    ta = _typed(a, src)
+    tb = _typed(b, src)
     out = np.empty((P, H, W), dtype=src.dtype)
     out2 = np.empty((P2, H, W), dtype=src.dtype)
     for t in nb.prange((P + P2) * nc):

@@ -57,8 +57,9 @@ def _tile_rect(mx, my, rx, ry, tiles_x, tiles_y):
 def bin_tiles(means2d, radii, order, n_per_cam, n_cams, tiles_x, tiles_y):
     """Depth-sorted Gaussian lists per tile.
 
-    ``order`` is a stable argsort of all G depths; scattering Gaussians into their tiles in that order makes every
-    tile's list depth sorted without a per-tile sort. Returns ``offsets`` [n_cams * n_tiles + 1] and ``ids`` [M].
+    ``order`` lists the visible Gaussians (radii > 0; others are skipped) by depth, stably; scattering them into
+    their tiles in that order makes every tile's list depth sorted without a per-tile sort. Returns ``offsets``
+    [n_cams * n_tiles + 1] and ``ids`` [M].
     """
     G = means2d.shape[0]
     n_tiles = tiles_x * tiles_y
@@ -76,7 +77,7 @@ def bin_tiles(means2d, radii, order, n_per_cam, n_cams, tiles_x, tiles_y):
     offsets = np.cumsum(counts)
     cursor = offsets[:-1].copy()
     ids = np.empty(offsets[-1], np.int32)
-    for i in range(G):
+    for i in range(order.shape[0]):
         g = order[i]
         rx = radii[g, 0]
         ry = radii[g, 1]

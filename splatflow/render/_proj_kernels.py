@@ -390,11 +390,14 @@ def _sh_color_vjp(sh_degree, mx, my, mz, campos, c, sh, n, bases, vb, v_colors, 
 
 @nb.njit(parallel=True, cache=True)
 def project_fwd(means, quats, scales, opacities, sh, sh_degree, viewmats, Ks, campos, width, height,
-                near, far, eps2d, antialiased, radius_clip):
+                near, far, eps2d, antialiased, radius_clip, win_x0, win_y0, win_x1, win_y1):
     """Forward projection + colour for all (camera, Gaussian) pairs.
 
     ``sh`` is [N, K, 3] (ignored when ``sh_degree < 0``). Returns means2d [C, N, 2], conics [C, N, 3],
     depths [C, N], opacities [C, N], colors [C, N, 3], radii [C, N, 2] int32; culled pairs hold zeros.
+    A Gaussian whose rectangle misses the pixel rectangle ``[win_x0, win_x1) x [win_y0, win_y1)`` (the whole view,
+    or the training window) is culled before its colour is evaluated, so a window costs its own Gaussians only;
+    the Jacobian's clamp still uses the whole ``width`` x ``height`` view.
     """
     N = means.shape[0]
     C = viewmats.shape[0]
@@ -414,14 +417,33 @@ def project_fwd(means, quats, scales, opacities, sh, sh_degree, viewmats, Ks, ca
         Sc = np.empty((3, 3), np.float64)
         tmp = np.empty((3, 3), np.float64)
         for n in range(blk * 128, min(N, blk * 128 + 128)):
-            _w, _x, _y, _z, _qn, mx, my, mz, op = _load_gaussian(means, quats, scales, opacities, n, R, M, Sig)
+            op = np.float64(opacities[n])
+            if not op >= ALPHA_MIN:  # the (antialiased) opacity only gets smaller: culled in every camera
+                continue
+            mx = np.float64(means[n, 0])
+            my = np.float64(means[n, 1])
+            mz = np.float64(means[n, 2])
+            s_max = max(np.float64(scales[n, 0]), np.float64(scales[n, 1]), np.float64(scales[n, 2]))
+            ext_max = min(EXTEND_MAX, math.sqrt(2.0 * math.log(op / ALPHA_MIN)))
+            loaded = False
             for c in range(C):
                 px, py, pz = _world_to_cam(viewmats, c, mx, my, mz)
                 if not (pz >= near and pz <= far):
                     continue
-                _sandwich(viewmats, c, Sig, tmp, Sc)
                 fx, fy, cx, cy, rz, _ux, _uy, _xf, _yf, J00, J02, J11, J12 = _persp_jacobian(
                     Ks, c, width, height, px, py, pz)
+                # cheap cull before the covariance: the 2D covariance J W Sigma W^T J^T has no eigenvalue above
+                # s_max^2 |J|_F^2, so no radius can exceed r_max; a Gaussian that misses the window by more is out
+                r_max = ext_max * math.sqrt(s_max * s_max * (J00 * J00 + J02 * J02 + J11 * J11 + J12 * J12)
+                                            + eps2d) + 1.0
+                m2x = fx * px * rz + cx
+                m2y = fy * py * rz + cy
+                if m2x + r_max <= win_x0 or m2x - r_max >= win_x1 or m2y + r_max <= win_y0 or m2y - r_max >= win_y1:
+                    continue
+                if not loaded:
+                    _load_gaussian(means, quats, scales, opacities, n, R, M, Sig)
+                    loaded = True
+                _sandwich(viewmats, c, Sig, tmp, Sc)
                 a0, b0, c0 = _cov2d(J00, J02, J11, J12, Sc)
                 a, cc, det, r = _conic(a0, b0, c0, eps2d)
                 if not det > 0.0:
@@ -436,9 +458,7 @@ def project_fwd(means, quats, scales, opacities, sh, sh_degree, viewmats, Ks, ca
                 rad_y = math.ceil(extend * math.sqrt(max(cc, 0.0)))
                 if rad_x <= radius_clip and rad_y <= radius_clip:
                     continue
-                m2x = fx * px * rz + cx
-                m2y = fy * py * rz + cy
-                if m2x + rad_x <= 0 or m2x - rad_x >= width or m2y + rad_y <= 0 or m2y - rad_y >= height:
+                if m2x + rad_x <= win_x0 or m2x - rad_x >= win_x1 or m2y + rad_y <= win_y0 or m2y - rad_y >= win_y1:
                     continue
                 means2d[c, n, 0] = m2x
                 means2d[c, n, 1] = m2y
@@ -457,15 +477,18 @@ def project_fwd(means, quats, scales, opacities, sh, sh_degree, viewmats, Ks, ca
 @nb.njit(parallel=True, cache=True)
 def project_bwd(means, quats, scales, opacities, sh, sh_degree, viewmats, Ks, campos, width, height,
                 eps2d, antialiased, radii, v_means2d, v_conics, v_depths, v_opac, v_colors):
-    """Gradients w.r.t. means [N, 3], quats [N, 4], scales [N, 3], opacities [N], sh [N, K, 3] (float64)."""
+    """Gradients w.r.t. means [N, 3], quats [N, 4], scales [N, 3], opacities [N], sh [N, K, 3], in the dtype of
+    ``means`` (sums over cameras are kept in float64 per Gaussian; the arrays are what autograd receives, so a
+    float32 run fills and hands over float32 buffers, not float64 ones to convert)."""
     N = means.shape[0]
     C = viewmats.shape[0]
     K = sh.shape[1]
-    g_means = np.zeros((N, 3), np.float64)
-    g_quats = np.zeros((N, 4), np.float64)
-    g_scales = np.zeros((N, 3), np.float64)
-    g_opac = np.zeros(N, np.float64)
-    g_sh = np.zeros((N, K, 3), np.float64)
+    gt = means.dtype
+    g_means = np.zeros((N, 3), gt)
+    g_quats = np.zeros((N, 4), gt)
+    g_scales = np.zeros((N, 3), gt)
+    g_opac = np.zeros(N, gt)
+    g_sh = np.zeros((N, K, 3), gt)
     n_blocks = (N + 127) // 128  # per-block scratch arrays: no allocation per Gaussian
     for blk in nb.prange(n_blocks):
         bases = np.zeros(16, np.float64)
@@ -479,6 +502,13 @@ def project_bwd(means, quats, scales, opacities, sh, sh_degree, viewmats, Ks, ca
         vR = np.empty(9, np.float64)
         vSig = np.zeros((3, 3), np.float64)
         for n in range(blk * 128, min(N, blk * 128 + 128)):
+            seen = False
+            for c in range(C):
+                if radii[c, n, 0] > 0 and radii[c, n, 1] > 0:
+                    seen = True
+                    break
+            if not seen:  # culled in every camera (most Gaussians, with a training window): zero gradients
+                continue
             w, x, y, z, qnorm, mx, my, mz, op = _load_gaussian(means, quats, scales, opacities, n, R, M, Sig)
             vSig[:, :] = 0.0  # dL/dSigma summed over cameras
             gmx = 0.0

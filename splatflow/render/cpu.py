@@ -42,7 +42,10 @@ def _binned(means2d, conics, colors, opacities, radii, depths, backgrounds, tile
     col = _np(colors.reshape(G, D), means2d.dtype)
     op = _np(opacities.reshape(G), means2d.dtype)
     rad = _np(radii.reshape(G, 2), torch.int32)
-    order = np.argsort(_np(depths.reshape(G)), kind="stable")
+    # depth order of the visible Gaussians only: with a training window most of them are culled, and sorting
+    # those too cost more than the binning (an argsort of all G depths)
+    vis = np.flatnonzero((rad[:, 0] > 0) & (rad[:, 1] > 0))
+    order = vis[np.argsort(_np(depths.reshape(G))[vis], kind="stable")]
     bg = _np(backgrounds, torch.float64) if backgrounds is not None else np.zeros((C, D), np.float64)
     offsets, ids = K.bin_tiles(m2, rad, order, N, C, tiles_x, tiles_y)
     return offsets, ids, m2, con, col, op, rad, bg
@@ -143,7 +146,7 @@ class _ProjectCPU(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, means, quats, scales, opacities, sh, viewmats, Ks, width, height, near_plane, far_plane,
-                eps2d, antialiased, radius_clip, sh_degree):
+                eps2d, antialiased, radius_clip, sh_degree, window):
         from . import _proj_kernels as P
         from .projection import camera_centers
 
@@ -157,8 +160,10 @@ class _ProjectCPU(torch.autograd.Function):
         deg = int(sh_degree) if sh is not None else -1
         args = (_np(means), _np(quats, dt), _np(scales, dt), _np(opacities, dt), sh_np, deg, vm, ks, campos,
                 int(width), int(height))
+        x0, y0, ww, wh = window if window is not None else (0, 0, int(width), int(height))
         m2, con, dep, op, col, radii = P.project_fwd(*args, float(near_plane), float(far_plane), float(eps2d),
-                                                     bool(antialiased), float(radius_clip))
+                                                     bool(antialiased), float(radius_clip),
+                                                     int(x0), int(y0), int(x0 + ww), int(y0 + wh))
         radii_t = torch.from_numpy(radii)
         ctx.mark_non_differentiable(radii_t)
         ctx.args = args
@@ -188,16 +193,17 @@ class _ProjectCPU(torch.autograd.Function):
         )
         out = [torch.from_numpy(a).to(dt) for a in (gm, gq, gs, go)]
         v_sh = torch.from_numpy(gsh).to(dt) if ctx.has_sh else None
-        return (*out, v_sh) + (None,) * 10
+        return (*out, v_sh) + (None,) * 11
 
 
 def project_cpu(means, quats, scales, opacities, sh, viewmats, Ks, width, height, *, near_plane, far_plane,
-                eps2d, antialiased, radius_clip, sh_degree):
+                eps2d, antialiased, radius_clip, sh_degree, window=None):
     """numba projection + SH; returns the same dict as :func:`.projection.project_gaussians` plus ``colors``
-    ([C, N, 3] SH colours, or None when ``sh`` is None)."""
+    ([C, N, 3] SH colours, or None when ``sh`` is None). With ``window=(x0, y0, w, h)`` Gaussians that do not
+    reach that part of the view are culled too (radius 0, zeros, no colour computed, no gradient)."""
     m2, con, dep, op, col, radii = _ProjectCPU.apply(
         means, quats, scales, opacities, sh, viewmats, Ks, width, height, near_plane, far_plane, eps2d,
-        antialiased, radius_clip, sh_degree,
+        antialiased, radius_clip, sh_degree, window,
     )
     return {"means2d": m2, "conics": con, "depths": dep, "opacities": op, "radii": radii,
             "valid": (radii > 0).all(-1), "colors": col if sh is not None else None}
