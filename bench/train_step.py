@@ -41,6 +41,9 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("SPLATFLOW_TRACKING", "off")
 
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the checkout this script is in, not whichever one is installed
+
 import cv2  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -211,7 +214,12 @@ def bench_case(name, n, w, h, steps, tmp, profile=False, blur_sigma=2.4):
 
 
 def time_steps(tr, steps: int, profile: bool = False) -> dict:
-    """Time ``steps`` calls of ``tr.train_step()`` (after 3 warm-up steps) with the part timers installed."""
+    """Time ``steps`` calls of ``tr.train_step()`` (after 3 warm-up steps) with the part timers installed. The
+    views and windows are drawn from a fixed seed, so two code versions time the same steps."""
+    import random
+
+    random.seed(0)
+    torch.manual_seed(0)
     for _ in range(3):  # warm-up: numba kernels (cached compile), caches
         tr.train_step()
     times = []
@@ -258,8 +266,7 @@ def checkpoint_case(work: Path, ckpt: Path, step: int | None, steps: int, profil
     from splatflow.scene.dataset import load_scene
     from splatflow.train import Trainer
 
-    root = Path(__file__).resolve().parents[1]
-    cfg = load_params(root / "params.yaml").train
+    cfg = load_params(ROOT / "params.yaml").train
     cfg = replace(cfg, progress=False, backend="cpu", resume=False,
                   early_stop=replace(cfg.early_stop, enabled=False),
                   prune_during=replace(cfg.prune_during, enabled=False))
