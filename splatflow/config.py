@@ -255,6 +255,10 @@ class DensifyConfig:
     # cap = min(max_gaussians, budget_multiplier * initial count); 16x: +0.35 dB test PSNR on the demo over 8x, and
     # the redundancy that lets pruning to 10% cost < 1 dB (bench/RESULTS.md, session 4)
     budget_multiplier: float = 16.0
+    # the cap grows linearly from the initial count to the whole budget at this fraction of max_steps (0: the whole
+    # budget from the start): the count grows with the training resolution, so early low-resolution steps carry
+    # fewer Gaussians (primitive growth scheduled with resolution, as DashGaussian, Chen et al. CVPR 2025)
+    budget_ramp_fraction: float = 0.0
     mcmc_noise_lr: float = 5e5
     mcmc_min_opacity: float = 0.005
     mcmc_scale_reg: float = 0.01
@@ -273,6 +277,8 @@ class DensifyConfig:
         check(self.max_gaussians >= 1, "train.densify.max_gaussians", "an integer >= 1", self.max_gaussians)
         check(self.budget_multiplier >= 1.0, "train.densify.budget_multiplier", "a number >= 1",
               self.budget_multiplier)
+        check(0.0 <= self.budget_ramp_fraction <= 1.0, "train.densify.budget_ramp_fraction",
+              "a number in [0, 1] (0: the whole budget from the start)", self.budget_ramp_fraction)
         check(self.mcmc_noise_lr >= 0, "train.densify.mcmc_noise_lr", "a number >= 0", self.mcmc_noise_lr)
         check(0.0 <= self.mcmc_min_opacity < 1.0, "train.densify.mcmc_min_opacity", "a number in [0, 1)",
               self.mcmc_min_opacity)

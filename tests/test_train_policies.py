@@ -176,6 +176,25 @@ def test_default_strategy_never_exceeds_the_budget():
     assert all(o.state[p[k]]["exp_avg"].shape[0] == 300 for k, o in opts.items())
 
 
+def test_budget_ramp_grows_the_cap_linearly_to_the_whole_budget():
+    """With ``budget_ramp_fraction`` the count may reach the cap only at the ramp's end: between the refine start
+    and it the allowed count rises linearly from the initial count, and growth never passes it."""
+    p, opts = _params(200)
+    strat = BudgetedDefaultStrategy(cap=400, initial_count=200, ramp_end_iter=50, refine_start_iter=10,
+                                    refine_stop_iter=10_000, refine_every=5, reset_every=0, grow_grad2d=1e-4,
+                                    prune_opa=0.0)
+    assert [strat.cap_at(s) for s in (0, 10, 30, 50, 80)] == [200, 200, 300, 400, 400]
+    state = strat.initialize_state(scene_scale=1.0)
+    for step in range(1, 81):
+        strat.step_post_backward(p, opts, state, step, _fake_info(p["means"].shape[0], 1.0))
+        assert p["means"].shape[0] <= strat.cap_at(step)
+        if step == 30:
+            assert p["means"].shape[0] == 300  # every Gaussian wants to grow: the ramp is what holds them back
+    assert p["means"].shape[0] == 400
+    # no ramp (the default): the whole cap from the start
+    assert BudgetedDefaultStrategy(cap=400, initial_count=200, refine_start_iter=10).cap_at(11) == 400
+
+
 def test_default_strategy_grows_only_the_highest_gradients_when_budget_is_short():
     p, opts = _params(100)
     strat = BudgetedDefaultStrategy(cap=110, refine_start_iter=0, refine_stop_iter=100, refine_every=1,

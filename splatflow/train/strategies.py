@@ -77,10 +77,20 @@ class BudgetedDefaultStrategy(DefaultStrategy):
     """Adaptive density control (clone small / split large high-gradient Gaussians, prune transparent and huge
     ones, periodic opacity reset) that never lets the count exceed ``cap``."""
 
-    def __init__(self, *, cap: int, **kwargs):
+    def __init__(self, *, cap: int, initial_count: int = 0, ramp_end_iter: int = 0, **kwargs):
         super().__init__(**kwargs)
         self.cap = int(cap)
+        self.initial_count = int(initial_count)
+        self.ramp_end_iter = int(ramp_end_iter)
         self.last_event: dict | None = None
+
+    def cap_at(self, step: int) -> int:
+        """The count allowed at ``step``: the whole cap, or with a ramp (``ramp_end_iter`` after the refine start)
+        the initial count growing linearly to the cap at ``ramp_end_iter``."""
+        if self.ramp_end_iter <= self.refine_start_iter or self.initial_count >= self.cap:
+            return self.cap
+        t = min(1.0, max(0.0, (step - self.refine_start_iter) / (self.ramp_end_iter - self.refine_start_iter)))
+        return int(round(self.initial_count + t * (self.cap - self.initial_count)))
 
     def initialize_state(self, scene_scale: float = 1.0, device: torch.device | str = "cpu") -> dict[str, Any]:
         # gsplat's state holds no tensors until the first step (grad2d/count are made on the gradients' device)
@@ -134,7 +144,7 @@ class BudgetedDefaultStrategy(DefaultStrategy):
         is_high = grads > self.grow_grad2d
         is_small = torch.exp(params["scales"]).max(dim=-1).values <= self.grow_scale3d * state["scene_scale"]
         # Cloning adds one Gaussian; splitting replaces one by two: each candidate costs one slot.
-        room = max(0, self.cap - params["means"].shape[0])
+        room = max(0, self.cap_at(step) - params["means"].shape[0])
         n_cand = int(is_high.sum())
         if n_cand > room:
             keep = torch.zeros_like(is_high)
@@ -372,7 +382,8 @@ def make_strategy(dcfg, *, max_steps: int, initial_count: int) -> Strategy | Non
     stop = int(dcfg.refine_stop_fraction * max_steps)
     if dcfg.strategy == "default":
         return BudgetedDefaultStrategy(
-            cap=cap, prune_opa=dcfg.prune_opa, grow_grad2d=dcfg.grow_grad2d, grow_scale3d=dcfg.grow_scale3d,
+            cap=cap, initial_count=initial_count, ramp_end_iter=int(dcfg.budget_ramp_fraction * max_steps),
+            prune_opa=dcfg.prune_opa, grow_grad2d=dcfg.grow_grad2d, grow_scale3d=dcfg.grow_scale3d,
             prune_scale3d=dcfg.prune_scale3d, refine_start_iter=start, refine_stop_iter=stop,
             refine_every=dcfg.refine_every, reset_every=dcfg.reset_every if dcfg.reset_every > 0 else 0,
             absgrad=dcfg.absgrad)
