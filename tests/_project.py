@@ -50,7 +50,8 @@ def make_project(root: Path, overrides: dict | None = None, scene: str = "tiny",
     root.mkdir(parents=True, exist_ok=True)
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
     # The library is linked, not copied: `python -m stages.x` imports splatflow from the project folder, and numba
-    # keeps its compiled kernels next to their source, so a copy would recompile them (~70 CPU s) in every project.
+    # files the compiled kernels by their resolved source folder (splatflow/render/_numba_cache.py), so linked
+    # projects load the checkout's kernels; a copy would recompile them (~42 s of CPU) in every project.
     (root / "splatflow").symlink_to(REPO / "splatflow", target_is_directory=True)
     for d in ("stages", "flows"):
         if (REPO / d).is_dir():

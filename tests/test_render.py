@@ -369,3 +369,29 @@ def test_window_render_is_the_window_of_the_whole_render(backend):
     with pytest.raises(ValueError, match="inside"):
         rasterize(scene["means"], scene["quats"], scene["scales"], scene["opacities"], scene["colors"],
                   scene["viewmats"], scene["Ks"], 80, 60, sh_degree=3, window=(50, 0, 40, 30))
+
+
+def test_kernel_cache_folder_is_the_same_through_a_symlink(tmp_path):
+    """The test projects (and any project that links ``splatflow/``) import the kernels through a symbolic link:
+    numba must file them in the checkout's cache folder, not compile them again in a new one per path."""
+    from pathlib import Path
+
+    from numba.core import caching
+
+    import splatflow.render._kernels as K
+    from splatflow.render import _numba_cache
+
+    assert _numba_cache.install()  # idempotent: already installed by importing splatflow.render
+    impl = getattr(caching, "CacheImpl", None) or getattr(caching, "_CacheImpl")
+    locators = [c for c in impl._locator_classes if getattr(c, "splatflow_resolved", False)]
+    assert len(locators) == 1 and impl._locator_classes[0] is locators[0]
+    real = Path(K.__file__).resolve()
+    link = tmp_path / "linked_render"
+    link.symlink_to(real.parent, target_is_directory=True)
+    fn = K.bin_tiles.py_func
+    via_link = locators[0](fn, str(link / real.name))
+    assert via_link.get_cache_path() == locators[0](fn, str(real)).get_cache_path()
+    assert via_link.get_source_stamp() == locators[0](fn, str(real)).get_source_stamp()  # numba's content check
+    # numba's own locator would have used another folder for the linked path
+    plain = getattr(caching, "UserProvidedCacheLocator", None) or getattr(caching, "_UserProvidedCacheLocator")
+    assert plain(fn, str(link / real.name)).get_cache_path() != via_link.get_cache_path()

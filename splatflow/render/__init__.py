@@ -19,9 +19,13 @@ from torch import Tensor
 
 from splatflow.errors import UserError
 
-from .constants import TILE
-from .projection import gaussian_colors, project_gaussians, tile_grid
-from .threads import configure_threads, warmup
+from ._numba_cache import install as _install_cache_locator
+
+_install_cache_locator()  # before any kernel module is imported: numba picks a kernel's cache folder at decoration
+
+from .constants import TILE  # noqa: E402
+from .projection import gaussian_colors, project_gaussians, tile_grid  # noqa: E402
+from .threads import configure_threads, warmup  # noqa: E402
 
 __all__ = ["rasterize", "removal_loss", "resolve_backend", "configure_threads", "warmup", "CudaUnavailableError",
            "BACKENDS"]
