@@ -7,7 +7,9 @@ when they start):
   (``splatflow/render/__pycache__/numba-<hash>``). numba checks a cached kernel only against its own file, and
   a checkout updated over an old cache was measured to fail compiling a changed kernel (an internal numba
   ``AssertionError: key already in dictionary``) until the old cache files were deleted; a new folder per
-  version of the kernels avoids that. Both only set defaults: a value in the environment wins.
+  version of the kernels avoids that. Workspace copies of DVC experiments use their repo's folder, and inside it
+  :mod:`splatflow.render._numba_cache` files the kernels under one name whatever path they were imported from.
+  Both only set defaults: a value in the environment wins.
 """
 
 import hashlib as _hashlib
@@ -17,13 +19,24 @@ from pathlib import Path as _Path
 _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
-def _kernel_cache_dir() -> str:
-    render = _Path(__file__).resolve().parent / "render"
+def _kernel_cache_dir(render: _Path | None = None) -> str:
+    """``render/__pycache__/numba-<hash of the kernel sources>`` of this checkout; for a copy of the workspace that
+    ``dvc exp run --temp`` or the experiment queue makes in ``<repo>/.dvc/tmp/exps/``, the folder of the repo it
+    was copied from, so each experiment loads the kernels compiled before instead of compiling them again."""
+    render = render or _Path(__file__).resolve().parent / "render"
     h = _hashlib.sha1()
     for src in sorted(render.glob("*.py")):
         h.update(src.name.encode())
         h.update(src.read_bytes())
-    return str(render / "__pycache__" / f"numba-{h.hexdigest()[:12]}")
+    home = render
+    parts = render.parts
+    for i in range(len(parts) - 3):
+        if parts[i:i + 3] == (".dvc", "tmp", "exps"):
+            outer = _Path(*parts[:i]) / "splatflow" / "render"
+            if outer.is_dir():
+                home = outer
+            break
+    return str(home / "__pycache__" / f"numba-{h.hexdigest()[:12]}")
 
 
 if "NUMBA_CACHE_DIR" not in _os.environ:

@@ -395,3 +395,31 @@ def test_kernel_cache_folder_is_the_same_through_a_symlink(tmp_path):
     # numba's own locator would have used another folder for the linked path
     plain = getattr(caching, "UserProvidedCacheLocator", None) or getattr(caching, "_UserProvidedCacheLocator")
     assert plain(fn, str(link / real.name)).get_cache_path() != via_link.get_cache_path()
+
+
+def test_a_dvc_experiment_copy_uses_its_repos_kernel_cache(tmp_path):
+    """``dvc exp run --temp`` and queued experiments run in a copy of the workspace under ``.dvc/tmp/exps``: its
+    kernels (same sources) go to the repo's cache folder, filed under the same name, so they are not compiled
+    again per experiment."""
+    import shutil
+    from pathlib import Path
+
+    from numba.core import caching
+
+    import splatflow.render._kernels as K
+    from splatflow.runtime_env import _kernel_cache_dir
+
+    real_render = Path(K.__file__).resolve().parent
+    repo = tmp_path / "repo"
+    shutil.copytree(real_render, repo / "splatflow" / "render", ignore=shutil.ignore_patterns("__pycache__"))
+    copy = repo / ".dvc" / "tmp" / "exps" / "tmpab12" / "splatflow" / "render"
+    shutil.copytree(real_render, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    own = _kernel_cache_dir(repo / "splatflow" / "render")
+    assert own.startswith(str(repo / "splatflow" / "render" / "__pycache__" / "numba-"))
+    assert _kernel_cache_dir(copy) == own  # the experiment's copy: the repo's folder
+    impl = getattr(caching, "CacheImpl", None) or getattr(caching, "_CacheImpl")
+    loc = next(c for c in impl._locator_classes if getattr(c, "splatflow_resolved", False))
+    assert loc.get_suitable_cache_subpath(str(copy / "_kernels.py")) == "splatflow_render"
+    assert loc.get_suitable_cache_subpath(str(real_render / "_kernels.py")) == "splatflow_render"
+    fn = K.bin_tiles.py_func  # numba's stamp is the file's content: the copy's kernels match the repo's
+    assert loc(fn, str(copy / "_kernels.py")).get_source_stamp() == loc(fn, str(real_render / "_kernels.py")).get_source_stamp()

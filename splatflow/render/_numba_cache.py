@@ -5,9 +5,10 @@ imported through.
 (resolved, so a project that links ``splatflow/`` to a checkout uses the checkout's folder). Inside it numba
 files each source file's kernels under a sub-folder named after the file's directory *as imported*: the same
 kernels imported through a symbolic link (the test projects link ``splatflow/`` to the checkout so that DVC can
-hash it) landed in a new sub-folder and compiled again, ~42 s of CPU per project. The locator installed here
-names the sub-folder after the resolved directory instead. The cache stays checked by numba's own stamp of each
-source file (a hash of its content), so a changed file still recompiles.
+hash it) landed in a new sub-folder and compiled again, ~42 s of CPU per project, and so did the copies of the
+workspace that DVC's temporary and queued experiments run in. The locator installed here files splatflow's
+kernels under one sub-folder name (other packages' kernels under their resolved directory). The cache stays
+checked by numba's own stamp of each source file (a hash of its content), so a changed file still recompiles.
 
 numba picks a function's locator when the function is decorated, so :func:`install` runs when
 ``splatflow.render`` is imported, before any kernel module. It extends numba's internal list of locators (present
@@ -40,7 +41,13 @@ def install() -> bool:
 
         @classmethod
         def get_suitable_cache_subpath(cls, py_file):
-            return super().get_suitable_cache_subpath(os.path.realpath(py_file))
+            real = os.path.realpath(py_file)
+            folder = os.path.dirname(real)
+            if os.path.basename(folder) == "render" and os.path.basename(os.path.dirname(folder)) == "splatflow":
+                # splatflow's kernels: one name wherever the checkout is (a linked project, a DVC experiment's
+                # copy); the cache folder is already per version of these sources, and numba re-checks each file
+                return "splatflow_render"
+            return super().get_suitable_cache_subpath(real)
 
     classes.insert(0, ResolvedPathLocator)
     return True
