@@ -24,11 +24,16 @@ def repo_root(start: str | Path | None = None) -> Path:
     holds ``.dvc/tmp``. Anywhere else it is :func:`project_root`.
     """
     root = project_root(start)
-    parts = root.parts
+    return experiment_origin(root) or root
+
+
+def experiment_origin(path: Path) -> Path | None:
+    """The repo whose ``.dvc/tmp/exps`` holds ``path`` (a DVC experiment's copy of the workspace), else None."""
+    parts = path.parts
     for i in range(len(parts) - 3):
         if parts[i : i + 3] == (".dvc", "tmp", "exps"):
             return Path(*parts[:i])
-    return root
+    return None
 
 
 def require_project_root(start: str | Path | None = None) -> Path:

@@ -28,14 +28,12 @@ def _kernel_cache_dir(render: _Path | None = None) -> str:
     for src in sorted(render.glob("*.py")):
         h.update(src.name.encode())
         h.update(src.read_bytes())
-    home = render
-    parts = render.parts
-    for i in range(len(parts) - 3):
-        if parts[i:i + 3] == (".dvc", "tmp", "exps"):
-            outer = _Path(*parts[:i]) / "splatflow" / "render"
-            if outer.is_dir():
-                home = outer
-            break
+    from splatflow.paths import experiment_origin  # pathlib only: safe before numba and torch
+
+    origin = experiment_origin(render)
+    home = origin / "splatflow" / "render" if origin is not None else render
+    if not home.is_dir():  # a copy whose repo has no splatflow/ of its own: the copy's folder
+        home = render
     return str(home / "__pycache__" / f"numba-{h.hexdigest()[:12]}")
 
 

@@ -141,11 +141,13 @@ def rasterize(
                            Ks, width, height, near_plane=near_plane, far_plane=far_plane, eps2d=eps2d,
                            antialiased=rasterize_mode == "antialiased", radius_clip=radius_clip,
                            sh_degree=sh_degree, window=window)
+        culled_to_window = True  # the numba projection culled what cannot reach the window itself
         if sh_degree is not None:
             rgb = proj["colors"]  # [C, N, 3]
         else:
             rgb = gaussian_colors(colors, None, means, viewmats, proj["valid"])  # [C, N, D]
     else:
+        culled_to_window = False
         proj = project_gaussians(means, quats, scales, opacities, viewmats, Ks, width, height,
                                  near_plane=near_plane, far_plane=far_plane, eps2d=eps2d,
                                  antialiased=rasterize_mode == "antialiased", radius_clip=radius_clip)
@@ -154,13 +156,15 @@ def rasterize(
     radii = proj["radii"]
     out_w, out_h = width, height
     if window is not None:
-        # composite in window pixel coordinates; Gaussians that cannot reach the window count as not visible
+        # composite in window pixel coordinates; Gaussians that cannot reach the window count as not visible (the
+        # torch projection knows only the whole view: the same test as the numba projection's, done here)
         means2d = means2d - means2d.new_tensor([x0, y0])
-        r = radii if radii.dim() == 3 else radii[..., None].expand(*radii.shape, 2)
-        m = means2d.detach()
-        reach = ((m[..., 0] + r[..., 0] > 0) & (m[..., 0] - r[..., 0] < ww)
-                 & (m[..., 1] + r[..., 1] > 0) & (m[..., 1] - r[..., 1] < wh))
-        radii = torch.where(reach[..., None] if radii.dim() == 3 else reach, radii, torch.zeros_like(radii))
+        if not culled_to_window:
+            r = radii if radii.dim() == 3 else radii[..., None].expand(*radii.shape, 2)
+            m = means2d.detach()
+            reach = ((m[..., 0] + r[..., 0] > 0) & (m[..., 0] - r[..., 0] < ww)
+                     & (m[..., 1] + r[..., 1] > 0) & (m[..., 1] - r[..., 1] < wh))
+            radii = torch.where(reach[..., None] if radii.dim() == 3 else reach, radii, torch.zeros_like(radii))
         out_w, out_h = ww, wh
     feats = rgb
     bgs = backgrounds
