@@ -32,8 +32,7 @@ def _binned(means2d, conics, colors, opacities, radii, depths, backgrounds, tile
 
     The arrays keep the tensors' dtype: the kernels read every value into float64 and keep all sums in float64, so
     a float32 array gives the same result as its float64 copy would, without the copy (numba compiles one
-    specialisation per dtype; training only ever uses float32). float32 inputs also switch exp() to a
-    float32-accurate polynomial (``fast_exp``).
+    specialisation per dtype; training only ever uses float32).
     """
     C, N, D = colors.shape
     G = C * N
@@ -51,6 +50,14 @@ def _binned(means2d, conics, colors, opacities, radii, depths, backgrounds, tile
     return offsets, ids, m2, con, col, op, rad, bg
 
 
+def _backward_kernel(D: int, want_removal: bool):
+    """The compositing backward for D channels: the vectorised RGB kernel where it applies (every training step),
+    else the general one (other channel counts, the removal columns of pruning)."""
+    if D == 3 and not want_removal:
+        return K.rasterize_bwd_rgb
+    return K.rasterize_bwd
+
+
 class _RasterizeTiles(torch.autograd.Function):
     @staticmethod
     def forward(ctx, means2d, conics, colors, opacities, backgrounds, radii, depths, width, height, absgrad,
@@ -63,7 +70,7 @@ class _RasterizeTiles(torch.autograd.Function):
                                                           backgrounds, tiles_x, tiles_y)
         out, T_final, last, isect_w, isect_hits = K.rasterize_fwd(
             offsets, ids, m2, con, col, op, rad, bg, C, width, height, tiles_x, tiles_y, bool(want_stats),
-            dt == torch.float32, numba.get_num_threads(),
+            numba.get_num_threads(),
         )
         img = torch.from_numpy(out).to(dt)  # [C, H, W, D] (already dt: no copy)
         alpha = (1.0 - torch.from_numpy(T_final)).to(dt)[..., None]  # [C, H, W, 1]
@@ -93,10 +100,9 @@ class _RasterizeTiles(torch.autograd.Function):
             v_img = torch.zeros(C, height, width, D, dtype=dt, device="cpu")
         if v_alpha is None:
             v_alpha = torch.zeros(C, height, width, 1, dtype=dt, device="cpu")
-        grads = K.rasterize_bwd(
+        grads = _backward_kernel(D, False)(
             offsets, ids, m2, con, col, op, rad, bg, T_final, last,
             _np(v_img, dt), _np(v_alpha[..., 0], dt), C, width, height, tiles_x, tiles_y,
-            dt == torch.float32,
             numba.get_num_threads(),
         )
         g = torch.from_numpy(grads).to(dt).reshape(C, N, 8 + D)  # [C, N, 8 + D]
@@ -225,13 +231,12 @@ def removal_loss_cpu(means2d: Tensor, conics: Tensor, colors: Tensor, opacities:
     tiles_x, tiles_y = tile_grid(width, height, TILE)
     offsets, ids, m2, con, col, op, rad, bg = _binned(means2d, conics, colors, opacities, radii, depths,
                                                       backgrounds, tiles_x, tiles_y)
-    fast = colors.dtype == torch.float32
     n_par = numba.get_num_threads()
     out, T_final, last, _, _ = K.rasterize_fwd(offsets, ids, m2, con, col, op, rad, bg, C, width, height, tiles_x,
-                                               tiles_y, False, fast, n_par)
+                                               tiles_y, False, n_par)
     resid = np.zeros_like(out) if target is None else out - _np(target, torch.float64).reshape(out.shape)
     rows = K.rasterize_bwd(offsets, ids, m2, con, col, op, rad, bg, T_final, last, resid,
-                           np.zeros(T_final.shape, np.float64), C, width, height, tiles_x, tiles_y, fast, n_par,
+                           np.zeros(T_final.shape, np.float64), C, width, height, tiles_x, tiles_y, n_par,
                            True)  # [C * N, 10 + D]
     increase = rows[:, 9 + D] - 2.0 * rows[:, 8 + D]
     return torch.from_numpy(out).to(colors.dtype), torch.from_numpy(increase).reshape(C, N)
