@@ -120,7 +120,7 @@ class Activated:
     quats: torch.Tensor  # [N, 4] wxyz, not necessarily unit (the rasterizer normalises)
     scales: torch.Tensor  # [N, 3]
     opacities: torch.Tensor  # [N]
-    colors: torch.Tensor  # [N, K, 3]
+    colors: torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # [N, K, 3], or (sh0, shN) (activated(sh_pair=True))
 
 
 @dataclass(frozen=True)
@@ -219,17 +219,19 @@ class Splats:
         return self.nbytes / 2**20
 
     # ---------------------------------------------------------------------------------------- views and copies
-    def activated(self, sh_degree: int | None = None) -> Activated:
+    def activated(self, sh_degree: int | None = None, *, sh_pair: bool = False) -> Activated:
         """Rasterizer inputs: ``exp`` of the log scales, ``sigmoid`` of the logits, ``sh0`` and ``shN`` joined
         into ``colors [N, K, 3]``, only the ``(sh_degree+1)^2`` active bands when ``sh_degree`` is given.
-        Differentiable: gradients reach the raw tensors."""
+        Differentiable: gradients reach the raw tensors. ``sh_pair``: ``colors`` is the pair ``(sh0, shN)`` itself
+        (all bands; the rasterizer uses the active ones), which spares a training step joining them and splitting
+        their gradient."""
         k = self.shN.shape[1] + 1 if sh_degree is None else num_sh_bases(sh_degree)
         if k > self.shN.shape[1] + 1:
             raise ValueError(f"sh_degree {sh_degree} needs {k} SH coefficients per channel; these splats hold "
                              f"{self.shN.shape[1] + 1} (max degree {self.max_sh_degree})")
+        colors = (self.sh0, self.shN) if sh_pair else torch.cat([self.sh0, self.shN[:, : k - 1]], dim=1)
         return Activated(means=self.means, quats=self.quats, scales=torch.exp(self.scales),
-                         opacities=torch.sigmoid(self.opacities),
-                         colors=torch.cat([self.sh0, self.shN[:, : k - 1]], dim=1))  # [N, K, 3]
+                         opacities=torch.sigmoid(self.opacities), colors=colors)  # [N, K, 3] or the pair
 
     def select(self, idx: torch.Tensor) -> "Splats":
         """The Gaussians ``idx`` (indices or a ``[N]`` bool mask), as detached contiguous copies."""

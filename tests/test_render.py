@@ -342,6 +342,36 @@ def test_polynomial_exp_matches_libm_to_float32_precision():
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("sh_degree", [1, 3])
+def test_sh_pair_renders_and_differentiates_like_joined_colors(backend, sh_degree):
+    """Training passes SH as the model stores it, ``(sh0, shN)`` with all bands (``activated(sh_pair=True)``):
+    the same image and the same gradients for every band as the joined ``[N, K, 3]`` of the active bands (the
+    inactive bands get exactly zero), on the numba kernels and on the torch path that joins the pair."""
+    from splatflow.render import rasterize
+
+    sc = make_scene(N=120, C=2, sh_degree=3, dtype=torch.float64)
+    sh0 = sc["colors"][:, :1].clone().requires_grad_(True)
+    shN = sc["colors"][:, 1:].clone().requires_grad_(True)
+    k = (sh_degree + 1) ** 2
+    w = torch.randn(2, sc["height"], sc["width"], 3, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+
+    def run(colors):
+        img, _, _ = rasterize(sc["means"], sc["quats"], sc["scales"], sc["opacities"], colors, sc["viewmats"],
+                              sc["Ks"], sc["width"], sc["height"], sh_degree=sh_degree, backend=backend)
+        (img * w).sum().backward()
+        return img.detach()
+
+    img_pair = run((sh0, shN))
+    g_pair = sh0.grad.clone(), shN.grad.clone()
+    sh0.grad = shN.grad = None
+    img_cat = run(torch.cat([sh0, shN[:, : k - 1]], dim=1))
+    assert torch.allclose(img_pair, img_cat, atol=1e-12)
+    assert torch.allclose(g_pair[0], sh0.grad, atol=1e-12)
+    assert torch.allclose(g_pair[1], shN.grad, atol=1e-12)
+    assert g_pair[1][:, : k - 1].abs().sum() > 0 and g_pair[1][:, k - 1:].abs().sum() == 0
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
 def test_window_render_is_the_window_of_the_whole_render(backend):
     """``window`` renders exactly the pixels of the whole view inside it, and its gradients equal those of the
     whole render with the loss restricted to the window (what patch training relies on)."""

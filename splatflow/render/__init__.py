@@ -62,7 +62,7 @@ def rasterize(
     quats: Tensor,  # [N, 4]
     scales: Tensor,  # [N, 3]
     opacities: Tensor,  # [N]
-    colors: Tensor,  # [N, K, 3] SH, or [N, D] / [C, N, D] plain
+    colors: Tensor | tuple[Tensor, Tensor],  # [N, K, 3] SH or its (sh0, shN) pair, or [N, D] / [C, N, D] plain
     viewmats: Tensor,  # [C, 4, 4]
     Ks: Tensor,  # [C, 3, 3]
     width: int,
@@ -96,8 +96,17 @@ def rasterize(
     Gaussians that do not reach the window. On the cuda backend the window is rendered as a camera of that size
     with a shifted principal point (gsplat has no windowed mode), which differs only in the EWA clamp of Gaussians
     centred far outside the window.
+
+    SH colours may come as the pair ``(sh0 [N, 1, 3], shN [N, K-1, 3])`` the model stores (with ``sh_degree``):
+    the CPU backend reads both where they are and returns their gradients as they are (a training step then
+    neither joins nor splits ``[N, K, 3]`` arrays); the other backends join them.
     """
     name = resolve_backend(backend)
+    if isinstance(colors, (tuple, list)):
+        if sh_degree is None or len(colors) != 2:
+            raise ValueError("colors as a pair means SH bands (sh0 [N, 1, 3], shN [N, K-1, 3]) and needs sh_degree")
+        if name != "cpu" or means.dtype not in (torch.float32, torch.float64):
+            colors = torch.cat(list(colors), dim=1)  # [N, K, 3]
     if rasterize_mode not in ("classic", "antialiased"):
         raise ValueError(f"rasterize_mode must be 'classic' or 'antialiased', got {rasterize_mode!r}")
     if render_mode not in ("RGB", "RGB+ED"):
@@ -133,10 +142,15 @@ def rasterize(
         from .cpu import project_cpu
 
         if sh_degree is not None:
-            if colors.dim() != 3 or colors.shape[0] != N or colors.shape[-1] != 3:
-                raise ValueError(f"SH colors must be [N, K, 3]; got {tuple(colors.shape)}")
-            if not 0 <= sh_degree <= 3 or colors.shape[1] < (sh_degree + 1) ** 2:
-                raise ValueError(f"sh_degree {sh_degree} needs 0..3 and (sh_degree+1)^2 <= K = {colors.shape[1]}")
+            parts = colors if isinstance(colors, (tuple, list)) else (colors,)
+            if any(c.dim() != 3 or c.shape[0] != N or c.shape[-1] != 3 for c in parts) or parts[0].shape[1] < 1:
+                raise ValueError(f"SH colors must be [N, K, 3] or (sh0 [N, 1, 3], shN [N, K-1, 3]); got "
+                                 f"{[tuple(c.shape) for c in parts]}")
+            K = sum(c.shape[1] for c in parts)
+            if len(parts) == 2 and parts[0].shape[1] != 1:
+                raise ValueError(f"sh0 must be [N, 1, 3]; got {tuple(parts[0].shape)}")
+            if not 0 <= sh_degree <= 3 or K < (sh_degree + 1) ** 2:
+                raise ValueError(f"sh_degree {sh_degree} needs 0..3 and (sh_degree+1)^2 <= K = {K}")
         proj = project_cpu(means, quats, scales, opacities, colors if sh_degree is not None else None, viewmats,
                            Ks, width, height, near_plane=near_plane, far_plane=far_plane, eps2d=eps2d,
                            antialiased=rasterize_mode == "antialiased", radius_clip=radius_clip,

@@ -351,36 +351,48 @@ def _view_bases(sh_degree, mx, my, mz, campos, c, bases):
 
 
 @nb.njit(cache=True, inline="always")
-def _sh_channel(bases, sh, n, ch, nb_):
-    """Unclamped colour of channel ch: 0.5 + sum_k basis_k sh[n, k, ch] (the colour is its positive part)."""
+def _sh_coef(sh0, shN, n, k, ch):
+    """SH coefficient k of channel ch, from the two tensors the model stores (band 0 in ``sh0 [N, 1, 3]``, the
+    others in ``shN [N, K-1, 3]``), so training never joins them into one array."""
+    if k == 0:
+        return np.float64(sh0[n, 0, ch])
+    return np.float64(shN[n, k - 1, ch])
+
+
+@nb.njit(cache=True, inline="always")
+def _sh_channel(bases, sh0, shN, n, ch, nb_):
+    """Unclamped colour of channel ch: 0.5 + sum_k basis_k sh_k[n, ch] (the colour is its positive part)."""
     v = 0.0
     for k in range(nb_):
-        v += bases[k] * sh[n, k, ch]
+        v += bases[k] * _sh_coef(sh0, shN, n, k, ch)
     return v + 0.5
 
 
 @nb.njit(cache=True, inline="always")
-def _sh_color(sh_degree, mx, my, mz, campos, c, sh, n, bases, colors):
+def _sh_color(sh_degree, mx, my, mz, campos, c, sh0, shN, n, bases, colors):
     """colors[c, n] = max(0, 0.5 + SH(direction from camera c))."""
     _view_bases(sh_degree, mx, my, mz, campos, c, bases)
     nb_ = (sh_degree + 1) * (sh_degree + 1)
     for ch in range(3):
-        colors[c, n, ch] = max(_sh_channel(bases, sh, n, ch, nb_), 0.0)
+        colors[c, n, ch] = max(_sh_channel(bases, sh0, shN, n, ch, nb_), 0.0)
 
 
 @nb.njit(cache=True, inline="always")
-def _sh_color_vjp(sh_degree, mx, my, mz, campos, c, sh, n, bases, vb, v_colors, g_sh):
-    """Adjoint of :func:`_sh_color`: adds dL/dsh into g_sh[n] and returns dL/dmean through the view direction."""
+def _sh_color_vjp(sh_degree, mx, my, mz, campos, c, sh0, shN, n, bases, vb, v_colors, g_sh0, g_shN):
+    """Adjoint of :func:`_sh_color`: adds dL/dsh into g_sh0[n] and g_shN[n] and returns dL/dmean through the view
+    direction."""
     ex, ey, ez, inv = _view_bases(sh_degree, mx, my, mz, campos, c, bases)
     nb_ = (sh_degree + 1) * (sh_degree + 1)
     for k in range(nb_):
         vb[k] = 0.0
     for ch in range(3):
-        if _sh_channel(bases, sh, n, ch, nb_) > 0.0:
+        if _sh_channel(bases, sh0, shN, n, ch, nb_) > 0.0:
             gcol = np.float64(v_colors[c, n, ch])
-            for k in range(nb_):
-                g_sh[n, k, ch] += bases[k] * gcol
-                vb[k] += sh[n, k, ch] * gcol
+            g_sh0[n, 0, ch] += bases[0] * gcol
+            vb[0] += np.float64(sh0[n, 0, ch]) * gcol
+            for k in range(1, nb_):
+                g_shN[n, k - 1, ch] += bases[k] * gcol
+                vb[k] += np.float64(shN[n, k - 1, ch]) * gcol
     if sh_degree == 0:
         return 0.0, 0.0, 0.0
     gx, gy, gz = _sh_bases_vjp(sh_degree, ex, ey, ez, vb)
@@ -389,12 +401,12 @@ def _sh_color_vjp(sh_degree, mx, my, mz, campos, c, sh, n, bases, vb, v_colors, 
 
 
 @nb.njit(parallel=True, cache=True)
-def project_fwd(means, quats, scales, opacities, sh, sh_degree, viewmats, Ks, campos, width, height,
+def project_fwd(means, quats, scales, opacities, sh0, shN, sh_degree, viewmats, Ks, campos, width, height,
                 near, far, eps2d, antialiased, radius_clip, win_x0, win_y0, win_x1, win_y1):
     """Forward projection + colour for all (camera, Gaussian) pairs.
 
-    ``sh`` is [N, K, 3] (ignored when ``sh_degree < 0``). Returns means2d [C, N, 2], conics [C, N, 3],
-    depths [C, N], opacities [C, N], colors [C, N, 3], radii [C, N, 2] int32; culled pairs hold zeros.
+    ``sh0`` [N, 1, 3] and ``shN`` [N, K-1, 3] are the SH bands as the model stores them (ignored when
+    ``sh_degree < 0``). Returns means2d [C, N, 2], conics [C, N, 3], depths [C, N], opacities [C, N], colors [C, N, 3], radii [C, N, 2] int32; culled pairs hold zeros.
     A Gaussian whose rectangle misses the pixel rectangle ``[win_x0, win_x1) x [win_y0, win_y1)`` (the whole view,
     or the training window) is culled before its colour is evaluated, so a window costs its own Gaussians only;
     the Jacobian's clamp still uses the whole ``width`` x ``height`` view.
@@ -470,25 +482,26 @@ def project_fwd(means, quats, scales, opacities, sh, sh_degree, viewmats, Ks, ca
                 radii[c, n, 0] = int(rad_x)
                 radii[c, n, 1] = int(rad_y)
                 if sh_degree >= 0:
-                    _sh_color(sh_degree, mx, my, mz, campos, c, sh, n, bases, colors)
+                    _sh_color(sh_degree, mx, my, mz, campos, c, sh0, shN, n, bases, colors)
     return means2d, conics, depths, opac_out, colors, radii
 
 
 @nb.njit(parallel=True, cache=True)
-def project_bwd(means, quats, scales, opacities, sh, sh_degree, viewmats, Ks, campos, width, height,
+def project_bwd(means, quats, scales, opacities, sh0, shN, sh_degree, viewmats, Ks, campos, width, height,
                 eps2d, antialiased, radii, v_means2d, v_conics, v_depths, v_opac, v_colors):
-    """Gradients w.r.t. means [N, 3], quats [N, 4], scales [N, 3], opacities [N], sh [N, K, 3], in the dtype of
+    """Gradients w.r.t. means [N, 3], quats [N, 4], scales [N, 3], opacities [N], sh0 [N, 1, 3] and shN
+    [N, K-1, 3], in the dtype of
     ``means`` (sums over cameras are kept in float64 per Gaussian; the arrays are what autograd receives, so a
     float32 run fills and hands over float32 buffers, not float64 ones to convert)."""
     N = means.shape[0]
     C = viewmats.shape[0]
-    K = sh.shape[1]
     gt = means.dtype
     g_means = np.zeros((N, 3), gt)
     g_quats = np.zeros((N, 4), gt)
     g_scales = np.zeros((N, 3), gt)
     g_opac = np.zeros(N, gt)
-    g_sh = np.zeros((N, K, 3), gt)
+    g_sh0 = np.zeros(sh0.shape, gt)
+    g_shN = np.zeros(shN.shape, gt)
     n_blocks = (N + 127) // 128  # per-block scratch arrays: no allocation per Gaussian
     for blk in nb.prange(n_blocks):
         bases = np.zeros(16, np.float64)
@@ -538,7 +551,8 @@ def project_bwd(means, quats, scales, opacities, sh, sh_degree, viewmats, Ks, ca
                 gmz += gz
                 _sandwich_t_add(viewmats, c, vSc, tmp, vSig)
                 if sh_degree >= 0:
-                    gx, gy, gz = _sh_color_vjp(sh_degree, mx, my, mz, campos, c, sh, n, bases, vb, v_colors, g_sh)
+                    gx, gy, gz = _sh_color_vjp(sh_degree, mx, my, mz, campos, c, sh0, shN, n, bases, vb, v_colors,
+                                               g_sh0, g_shN)
                     gmx += gx
                     gmy += gy
                     gmz += gz
@@ -547,4 +561,4 @@ def project_bwd(means, quats, scales, opacities, sh, sh_degree, viewmats, Ks, ca
             g_means[n, 2] = gmz
             g_opac[n] = gop
             _load_gaussian_vjp(vSig, M, R, w, x, y, z, qnorm, scales, n, vR, g_scales, g_quats)
-    return g_means, g_quats, g_scales, g_opac, g_sh
+    return g_means, g_quats, g_scales, g_opac, g_sh0, g_shN

@@ -151,7 +151,7 @@ class _ProjectCPU(torch.autograd.Function):
     """Fused projection + SH colour (numba, :mod:`._proj_kernels`) with its analytic backward."""
 
     @staticmethod
-    def forward(ctx, means, quats, scales, opacities, sh, viewmats, Ks, width, height, near_plane, far_plane,
+    def forward(ctx, means, quats, scales, opacities, sh0, shN, viewmats, Ks, width, height, near_plane, far_plane,
                 eps2d, antialiased, radius_clip, sh_degree, window):
         from . import _proj_kernels as P
         from .projection import camera_centers
@@ -162,9 +162,11 @@ class _ProjectCPU(torch.autograd.Function):
         ks = _np(Ks, torch.float64)
         campos = _np(camera_centers(viewmats.detach().to(torch.float64)))
         # per-Gaussian arrays stay in dt (the kernels compute in float64; see _binned); camera arrays are tiny
-        sh_np = _np(sh, dt) if sh is not None else np.zeros((N, 1, 3), _np(means).dtype)
-        deg = int(sh_degree) if sh is not None else -1
-        args = (_np(means), _np(quats, dt), _np(scales, dt), _np(opacities, dt), sh_np, deg, vm, ks, campos,
+        has_sh = sh0 is not None
+        sh0_np = _np(sh0, dt) if has_sh else np.zeros((N, 1, 3), _np(means).dtype)
+        shN_np = _np(shN, dt) if has_sh else np.zeros((N, 0, 3), _np(means).dtype)
+        deg = int(sh_degree) if has_sh else -1
+        args = (_np(means), _np(quats, dt), _np(scales, dt), _np(opacities, dt), sh0_np, shN_np, deg, vm, ks, campos,
                 int(width), int(height))
         x0, y0, ww, wh = window if window is not None else (0, 0, int(width), int(height))
         m2, con, dep, op, col, radii = P.project_fwd(*args, float(near_plane), float(far_plane), float(eps2d),
@@ -174,7 +176,7 @@ class _ProjectCPU(torch.autograd.Function):
         ctx.mark_non_differentiable(radii_t)
         ctx.args = args
         ctx.extra = (float(eps2d), bool(antialiased), radii)
-        ctx.has_sh = sh is not None
+        ctx.has_sh = has_sh
         ctx.dtype = dt
         return (torch.from_numpy(m2).to(dt), torch.from_numpy(con).to(dt), torch.from_numpy(dep).to(dt),
                 torch.from_numpy(op).to(dt), torch.from_numpy(col).to(dt), radii_t)
@@ -193,22 +195,35 @@ class _ProjectCPU(torch.autograd.Function):
         def g(t, shape):
             return _np(t, dt) if t is not None else np.zeros(shape, ft)
 
-        gm, gq, gs, go, gsh = P.project_bwd(
+        gm, gq, gs, go, gsh0, gshN = P.project_bwd(
             *args, eps2d, antialiased, radii,
             g(v_m2, (C, N, 2)), g(v_con, (C, N, 3)), g(v_dep, (C, N)), g(v_op, (C, N)), g(v_col, (C, N, 3)),
         )
         out = [torch.from_numpy(a).to(dt) for a in (gm, gq, gs, go)]
-        v_sh = torch.from_numpy(gsh).to(dt) if ctx.has_sh else None
-        return (*out, v_sh) + (None,) * 11
+        v_sh = (torch.from_numpy(gsh0).to(dt), torch.from_numpy(gshN).to(dt)) if ctx.has_sh else (None, None)
+        return (*out, *v_sh) + (None,) * 11
+
+
+def split_sh(sh) -> tuple[Tensor, Tensor] | tuple[None, None]:
+    """SH coefficients as the two tensors the projection kernels take: ``(sh0 [N, 1, 3], shN [N, K-1, 3])`` from
+    such a pair (as the model stores them: passed through, no copy) or from one ``[N, K, 3]`` tensor."""
+    if sh is None:
+        return None, None
+    if isinstance(sh, (tuple, list)):
+        sh0, shN = sh
+        return sh0, shN
+    return sh[:, :1], sh[:, 1:]
 
 
 def project_cpu(means, quats, scales, opacities, sh, viewmats, Ks, width, height, *, near_plane, far_plane,
                 eps2d, antialiased, radius_clip, sh_degree, window=None):
     """numba projection + SH; returns the same dict as :func:`.projection.project_gaussians` plus ``colors``
-    ([C, N, 3] SH colours, or None when ``sh`` is None). With ``window=(x0, y0, w, h)`` Gaussians that do not
-    reach that part of the view are culled too (radius 0, zeros, no colour computed, no gradient)."""
+    ([C, N, 3] SH colours, or None when ``sh`` is None). ``sh`` is ``[N, K, 3]`` or the pair ``(sh0, shN)``
+    (:func:`split_sh`). With ``window=(x0, y0, w, h)`` Gaussians that do not reach that part of the view are
+    culled too (radius 0, zeros, no colour computed, no gradient)."""
+    sh0, shN = split_sh(sh)
     m2, con, dep, op, col, radii = _ProjectCPU.apply(
-        means, quats, scales, opacities, sh, viewmats, Ks, width, height, near_plane, far_plane, eps2d,
+        means, quats, scales, opacities, sh0, shN, viewmats, Ks, width, height, near_plane, far_plane, eps2d,
         antialiased, radius_clip, sh_degree, window,
     )
     return {"means2d": m2, "conics": con, "depths": dep, "opacities": op, "radii": radii,

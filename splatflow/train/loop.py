@@ -165,7 +165,7 @@ class Trainer:
         # only the window's pixels are converted and uploaded; K is the whole level's
         target, K = self.cache.get(i, factor, device=self.device, window=win)
         mask = self.cache.mask(i, factor, window=win)  # [H, W] bool keep-mask, None without masks
-        a = Splats.of(self.params).activated(sh_degree)  # differentiable: gradients reach self.params
+        a = Splats.of(self.params).activated(sh_degree, sh_pair=True)  # differentiable: grads reach self.params
         rgb, _, info = rasterize(
             a.means, a.quats, a.scales, a.opacities, a.colors, self.viewmats[i][None],
             torch.as_tensor(K, dtype=torch.float32, device=self.device)[None], w, h,
