@@ -341,6 +341,39 @@ def test_polynomial_exp_matches_libm_to_float32_precision():
     assert _exp(-1.0) == 1.0  # a negative sigma (not a valid conic there) is clamped, never above 1
 
 
+@pytest.mark.parametrize("removal", [False, True])
+def test_vectorised_rgb_backward_equals_the_general_kernel(removal):
+    """The vectorised RGB backward (training, and pruning's removal columns) gives the per-Gaussian rows of the
+    general per-pixel kernel (which serves other channel counts), backgrounds and a pixel-alpha gradient included."""
+    import numba
+    import numpy as np
+
+    from splatflow.render import _kernels as K
+    from splatflow.render.cpu import _binned, project_cpu
+    from splatflow.render.projection import tile_grid
+
+    sc = make_scene(N=300, C=2, W=70, H=50, dtype=torch.float64)
+    with torch.no_grad():
+        p = project_cpu(sc["means"], sc["quats"], sc["scales"], sc["opacities"], sc["colors"], sc["viewmats"],
+                        sc["Ks"], sc["width"], sc["height"], near_plane=0.01, far_plane=1e10, eps2d=0.3,
+                        antialiased=False, radius_clip=0.0, sh_degree=sc["sh_degree"])
+    tx, ty = tile_grid(sc["width"], sc["height"])
+    bg = torch.rand(2, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    offsets, ids, m2, con, col, op, rad, bgn = _binned(p["means2d"], p["conics"], p["colors"], p["opacities"],
+                                                       p["radii"], p["depths"], bg, tx, ty)
+    n_par = numba.get_num_threads()
+    out, T, last, _, _ = K.rasterize_fwd(offsets, ids, m2, con, col, op, rad, bgn, 2, sc["width"], sc["height"], tx,
+                                         ty, False, n_par)
+    rng = np.random.default_rng(0)
+    args = (offsets, ids, m2, con, col, op, rad, bgn, T, last, rng.standard_normal(out.shape),
+            rng.standard_normal(T.shape), 2, sc["width"], sc["height"], tx, ty, n_par)
+    general = K.rasterize_bwd(*args, removal)
+    rgb = K.rasterize_bwd_rgb(*args, True if removal else None)
+    assert rgb.shape == general.shape == (2 * 300, 13 if removal else 11)
+    assert np.abs(general).max() > 0
+    np.testing.assert_allclose(rgb, general, rtol=1e-9, atol=1e-12)
+
+
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
 @pytest.mark.parametrize("sh_degree", [1, 3])
 def test_sh_pair_renders_and_differentiates_like_joined_colors(backend, sh_degree):

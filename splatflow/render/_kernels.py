@@ -25,8 +25,9 @@ all 16 pixels of a tile row at once, branch free, with unsigned pixel indices; t
 SIMD code (1.5x faster forward and backward than the per-pixel loops at 120K Gaussians, bench/RESULTS.md). Two
 things kept such loops scalar and must not come back: signed indices (numba's negative-index wrap-around) and a
 branch inside the row loop (even a loop-invariant one, e.g. a choice of exp function), or too many arrays written
-in one loop (the general backward's per-channel loop). The general :func:`rasterize_bwd` (any channel count, the
-removal columns of pruning) keeps the per-pixel loop over each row's exact span.
+in one loop (the general backward's per-channel loop). The RGB backward also gives pruning's removal columns
+(1.4x faster than the general kernel on a whole 800x600 view); the general :func:`rasterize_bwd` (other channel
+counts) keeps the per-pixel loop over each row's exact span.
 """
 
 from __future__ import annotations
@@ -479,19 +480,21 @@ def rasterize_bwd(offsets, ids, means2d, conics, colors, opacities, radii, backg
 
 @nb.njit(parallel=True, cache=True, fastmath=True)
 def rasterize_bwd_rgb(offsets, ids, means2d, conics, colors, opacities, radii, backgrounds, T_final, last_ids,
-                      v_out, v_alpha_out, n_cams, width, height, tiles_x, tiles_y, n_par):
-    """:func:`rasterize_bwd` for three colour channels and no removal columns (every training step), vectorised.
+                      v_out, v_alpha_out, n_cams, width, height, tiles_x, tiles_y, n_par, removal=None):
+    """:func:`rasterize_bwd` for three colour channels (every training step, and pruning's removal cost), vectorised.
 
     The same adjoint, walked over all 16 pixels of a tile row at once and branch free (a pixel the splat did not
     reach gets mask 0, so its transmittance, colour sums and the splat's gradient sums do not change). With the
     channels unrolled, one loop per row writes only four arrays, which is what lets the compiler vectorise it
     (the general kernel's per-channel inner loop, or more written arrays, kept it scalar). Returns [G, 11]: the
-    columns of :func:`rasterize_bwd` with D = 3.
+    columns of :func:`rasterize_bwd` with D = 3; with ``removal`` (any non-None value, e.g. True) [G, 13] with its
+    two removal columns. ``removal`` is a compile-time switch: numba compiles the None and the bool case
+    separately and drops the untaken branch, so the training kernel carries no removal arithmetic and no branch.
     """
     G = means2d.shape[0]
     n_tiles = tiles_x * tiles_y
     M = ids.shape[0]
-    NG = 11
+    NG = 11 if removal is None else 13
     P = TILE * TILE
     per_isect = np.zeros((M, NG), np.float64)
     n_tot, per = _tile_split(n_cams * n_tiles, n_par)
@@ -554,6 +557,8 @@ def rasterize_bwd_rgb(offsets, ids, means2d, conics, colors, opacities, radii, b
             vc0 = 0.0
             vc1 = 0.0
             vc2 = 0.0
+            rem_lin = 0.0
+            rem_sq = 0.0
             for py in range(ya, yb + 1):
                 dy = my - (py + 0.5)
                 hy = 0.5 * cc * dy * dy
@@ -583,6 +588,13 @@ def rasterize_bwd_rgb(offsets, ids, means2d, conics, colors, opacities, radii, b
                     vc2 += fac * e2
                     v_alpha = ((c0 * T - q0 * ra) * e0 + (c1 * T - q1 * ra) * e1 + (c2 * T - q2 * ra) * e2
                                + Tf[li] * ra * va[li]) * ok
+                    if removal is not None:  # the image change R = a (c T - (S + T_final bg) / (1 - a))
+                        tf = Tf[li]
+                        r0 = c0 * T - (q0 + tf * backgrounds[cam, 0]) * ra
+                        r1 = c1 * T - (q1 + tf * backgrounds[cam, 1]) * ra
+                        r2 = c2 * T - (q2 + tf * backgrounds[cam, 2]) * ra
+                        rem_sq += am * am * (r0 * r0 + r1 * r1 + r2 * r2)
+                        rem_lin += am * v_alpha
                     b0[li] = q0 + c0 * fac
                     b1[li] = q1 + c1 * fac
                     b2[li] = q2 + c2 * fac
@@ -608,6 +620,9 @@ def rasterize_bwd_rgb(offsets, ids, means2d, conics, colors, opacities, radii, b
             per_isect[k, 8] = vc0
             per_isect[k, 9] = vc1
             per_isect[k, 10] = vc2
+            if removal is not None:
+                per_isect[k, 11] = rem_lin
+                per_isect[k, 12] = rem_sq
     grads = np.zeros((G, NG), np.float64)
     for k in range(M):
         g = ids[k]

@@ -50,12 +50,12 @@ def _binned(means2d, conics, colors, opacities, radii, depths, backgrounds, tile
     return offsets, ids, m2, con, col, op, rad, bg
 
 
-def _backward_kernel(D: int, want_removal: bool):
-    """The compositing backward for D channels: the vectorised RGB kernel where it applies (every training step),
-    else the general one (other channel counts, the removal columns of pruning)."""
-    if D == 3 and not want_removal:
-        return K.rasterize_bwd_rgb
-    return K.rasterize_bwd
+def _backward(D: int, *args, removal: bool = False):
+    """The compositing backward for D channels: the vectorised RGB kernel for three (every training step, and with
+    ``removal`` pruning's removal columns), the general kernel otherwise."""
+    if D == 3:
+        return K.rasterize_bwd_rgb(*args, True if removal else None)
+    return K.rasterize_bwd(*args, removal)
 
 
 class _RasterizeTiles(torch.autograd.Function):
@@ -100,8 +100,8 @@ class _RasterizeTiles(torch.autograd.Function):
             v_img = torch.zeros(C, height, width, D, dtype=dt, device="cpu")
         if v_alpha is None:
             v_alpha = torch.zeros(C, height, width, 1, dtype=dt, device="cpu")
-        grads = _backward_kernel(D, False)(
-            offsets, ids, m2, con, col, op, rad, bg, T_final, last,
+        grads = _backward(
+            D, offsets, ids, m2, con, col, op, rad, bg, T_final, last,
             _np(v_img, dt), _np(v_alpha[..., 0], dt), C, width, height, tiles_x, tiles_y,
             numba.get_num_threads(),
         )
@@ -238,7 +238,7 @@ def removal_loss_cpu(means2d: Tensor, conics: Tensor, colors: Tensor, opacities:
 
     Returns ``(img [C, H, W, D], increase [C, N])``. With the render ``C``, the target ``Y`` (``target``; the
     render itself when None) and ``R_j`` the exact change of the image when Gaussian ``j`` is taken out
-    (:func:`._kernels.rasterize_bwd`, ``want_removal``), the increase is
+    (:func:`._kernels.rasterize_bwd_rgb` with ``removal``), the increase is
     ``sum_p |C_p - R_jp - Y_p|^2 - |C_p - Y_p|^2 = sum_p |R_jp|^2 - 2 R_jp . (C_p - Y_p)``: negative for a
     Gaussian whose removal makes the image better. One forward and one backward pass of the kernels.
     """
@@ -250,8 +250,8 @@ def removal_loss_cpu(means2d: Tensor, conics: Tensor, colors: Tensor, opacities:
     out, T_final, last, _, _ = K.rasterize_fwd(offsets, ids, m2, con, col, op, rad, bg, C, width, height, tiles_x,
                                                tiles_y, False, n_par)
     resid = np.zeros_like(out) if target is None else out - _np(target, torch.float64).reshape(out.shape)
-    rows = K.rasterize_bwd(offsets, ids, m2, con, col, op, rad, bg, T_final, last, resid,
-                           np.zeros(T_final.shape, np.float64), C, width, height, tiles_x, tiles_y, n_par,
-                           True)  # [C * N, 10 + D]
+    rows = _backward(D, offsets, ids, m2, con, col, op, rad, bg, T_final, last, resid,
+                     np.zeros(T_final.shape, np.float64), C, width, height, tiles_x, tiles_y, n_par,
+                     removal=True)  # [C * N, 10 + D]
     increase = rows[:, 9 + D] - 2.0 * rows[:, 8 + D]
     return torch.from_numpy(out).to(colors.dtype), torch.from_numpy(increase).reshape(C, N)
