@@ -103,6 +103,7 @@ def main(argv=None):
     ap.add_argument("--resume-from", type=Path, metavar="CKPT",
                     help="continue this unfinished checkpoint whatever train params wrote it (copied first)")
     ap.add_argument("--no-prune", action="store_true", help="skip the prune stage after training")
+    ap.add_argument("--seed", type=int, default=0, help="the training run's seed (the scene and SfM stay the same)")
     ap.add_argument("--eval-only", type=Path, metavar="CKPT",
                     help="only measure test PSNR of a checkpoint (e.g. one saved on SIGTERM) and print its step")
     args = ap.parse_args(argv)
@@ -178,11 +179,11 @@ def main(argv=None):
 
         if args.resume_from.resolve() != ckpt.resolve():
             shutil.copy(args.resume_from, ckpt)
-        res = Forked(scene, cfg, ckpt_path=ckpt, csv_path=csv, seed=0).run()
+        res = Forked(scene, cfg, ckpt_path=ckpt, csv_path=csv, seed=args.seed).run()
         print(f"continued {args.resume_from} from step {res.resumed_from}: the training time below is the whole "
               "run's, the part before the fork included", flush=True)
     else:
-        res = train(scene, cfg, ckpt_path=ckpt, csv_path=csv, seed=0)
+        res = train(scene, cfg, ckpt_path=ckpt, csv_path=csv, seed=args.seed)
     wall = time.perf_counter() - t0
     if res.resumed_from is not None and not args.resume_from:
         if not args.resume:

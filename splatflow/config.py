@@ -366,6 +366,10 @@ class TrainConfig:
     # pixels rendered per step: a level with more pixels trains on a random window of this area (same aspect,
     # full detail) instead of the whole image; 0 = always whole images
     patch_max_pixels: int = 60000
+    # a lower-resolution level (factor f < 1) trains on windows of patch_max_pixels / f^exponent pixels (whole images
+    # once that exceeds the level): its steps cost little more and see more of the scene; 0 = the same area at every
+    # level (bench/RESULTS.md "Training", session 8: exponent 1 gained 0.7 dB at the same training time)
+    patch_level_exponent: float = 1.0
     # Adam updates only the Gaussians a step's render reaches (gsplat's visible_adam); others keep params + moments
     visible_adam: bool = False
     backend: Literal["auto", "cpu", "cuda", "torch"] = "auto"
@@ -390,6 +394,8 @@ class TrainConfig:
         check(0.0 <= self.ssim_lambda <= 1.0, "train.ssim_lambda", "a number in [0, 1]", self.ssim_lambda)
         check(self.patch_max_pixels == 0 or self.patch_max_pixels >= 1024, "train.patch_max_pixels",
               "0 (whole images) or an integer >= 1024", self.patch_max_pixels)
+        check(0.0 <= self.patch_level_exponent <= 4.0, "train.patch_level_exponent", "a number in [0, 4]",
+              self.patch_level_exponent)
         check(len(self.resolution) >= 1, "train.resolution", "a non-empty list of phases", self.resolution)
         starts = [p.start_step if p.start_step is not None else p.start_fraction * self.max_steps
                   for p in self.resolution]

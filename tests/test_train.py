@@ -263,6 +263,32 @@ def test_patch_render_is_the_window_of_the_whole_render(scene):
     torch.testing.assert_close(part, full[y0:y0 + h, x0:x0 + w], atol=1e-5, rtol=1e-5)
 
 
+def test_coarse_levels_train_on_larger_windows(scene):
+    """``train.patch_level_exponent``: a level at factor f < 1 gets windows of patch_max_pixels / f^exponent (whole
+    images once that covers the level), full resolution keeps patch_max_pixels, 0 keeps it everywhere, and a bad
+    exponent is rejected naming the key."""
+    import random
+
+    from splatflow.config import ConfigError, params_from_dict
+    from splatflow.train.windows import level_budget
+
+    assert level_budget(60000, 1.0, 1.0) == 60000 and level_budget(60000, 0.75, 1.0) == 80000
+    assert level_budget(60000, 0.5, 1.0) == 120000 and level_budget(60000, 0.5, 2.0) == 240000
+    assert level_budget(60000, 0.5, 0.0) == 60000 and level_budget(0, 0.5, 1.0) == 0
+    areas = {}
+    for exponent in (0.0, 1.0):
+        tr = Trainer(scene, small_cfg(patch_max_pixels=1200, patch_level_exponent=exponent), seed=0)
+        random.seed(5)
+        with torch.no_grad():
+            sizes = [tr.render(0, 0.5, 0, patch=True)[0].shape[:2] for _ in range(40)]  # level 48x36 = 1728 px
+            full = [tr.render(0, 1.0, 0, patch=True)[0].shape[:2] for _ in range(40)]  # 96x72: windows both ways
+        areas[exponent] = (np.mean([h * w for h, w in sizes]), np.mean([h * w for h, w in full]))
+    assert areas[0.0][0] < 1728 and areas[1.0][0] == 1728  # 1200 / 0.5 = 2400 > 1728: the whole level
+    assert abs(areas[0.0][1] - 1200) < 240 and abs(areas[1.0][1] - 1200) < 240
+    with pytest.raises(ConfigError, match="train.patch_level_exponent"):
+        params_from_dict({"train": {"patch_level_exponent": -1}})
+
+
 def test_patch_training_learns(scene):
     """Training on windows of a quarter of each view (a quarter of the pixels per step) still fits the held-out
     views: the same 300 steps as the whole-view test above lift them by more than 3 dB."""

@@ -38,7 +38,7 @@ from splatflow.train.schedules import (BlurSchedule, ExpDecay, PlateauStopper, R
                                        SHSchedule)
 from splatflow.train.sink import CSV_FIELDS, MetricsSink  # noqa: F401 - CSV_FIELDS: part of the interface
 from splatflow.train.strategies import make_strategy, rendered
-from splatflow.train.windows import patch_window
+from splatflow.train.windows import level_budget, patch_window
 
 log = logging.getLogger("splatflow.train")
 
@@ -153,7 +153,8 @@ class Trainer:
                patch: bool = False):
         """Render training view ``i`` at ``factor``: ``(rgb [H, W, 3], target [H, W, 3], info)``.
 
-        With ``patch`` and a level larger than ``train.patch_max_pixels``, only a random window of that area (same
+        With ``patch`` and a level larger than its window budget (``train.patch_max_pixels``, larger at coarse
+        levels: :func:`~splatflow.train.windows.level_budget`), only a random window of that area (same
         aspect ratio) is rendered and returned (the rasterizer's ``window``: exactly those pixels of the whole
         render), so the Gaussians see full-detail pixels at a fraction of the cost. ``info["width"]``/``["height"]``
         stay those of the whole level, so densification gradients keep their scale (NDC units of the full view).
@@ -161,7 +162,8 @@ class Trainer:
         from splatflow.render import rasterize
 
         w, h = self.cache.shape(i, factor)
-        win = patch_window(w, h, self.cfg.patch_max_pixels) if patch else None
+        budget = level_budget(self.cfg.patch_max_pixels, factor, self.cfg.patch_level_exponent)
+        win = patch_window(w, h, budget) if patch else None
         # only the window's pixels are converted and uploaded; K is the whole level's
         target, K = self.cache.get(i, factor, device=self.device, window=win)
         mask = self.cache.mask(i, factor, window=win)  # [H, W] bool keep-mask, None without masks

@@ -45,6 +45,17 @@ def _patch_plan(width: int, height: int, max_pixels: int) -> tuple[int, int, flo
     return (*nominal(hi), 0.0)
 
 
+def level_budget(max_pixels: int, factor: float, exponent: float) -> int:
+    """Window area of a resolution level at ``factor`` of full size: ``max_pixels / factor^exponent`` (0 stays 0:
+    whole images). Measured on the 800x600 benchmark scene (bench/RESULTS.md, "Training", session 8): at the same
+    training time, windows of the same 60K pixels at every level gave 29.35 dB, exponent 1 (whole images at 1/2,
+    80K-pixel windows at 3/4) 30.04 dB, and windows shrinking with the level (a fixed share of the view) 28.90 dB: a
+    coarse step's cost is mostly per Gaussian, not per pixel, so there more pixels per step are nearly free."""
+    if not max_pixels or factor >= 1.0:
+        return int(max_pixels)
+    return int(round(max_pixels / factor ** exponent))
+
+
 def patch_window(width: int, height: int, max_pixels: int,
                  rng: random.Random | None = None) -> tuple[int, int, int, int] | None:
     """A random training window ``(x0, y0, w, h)`` of ``max_pixels`` pixels ON AVERAGE, or None for the whole
