@@ -245,6 +245,23 @@ def _row_mask(lx, la, lb, sigma, alpha):
             * (1.0 if alpha >= ALPHA_MIN else 0.0))
 
 
+@nb.njit(cache=True, inline="always")
+def _load_lanes(means2d, conics, opacities, radii, g, k, px0, py0, pw, ph):
+    """Row g for the 16-lane row loops: mean, its pixel rectangle in the tile as lanes [la, lb] x rows [ya, yb]
+    (empty when la > lb or ya > yb), half the first conic entry, the other two, the opacity, and list position k
+    as a float (the lanes' "last contributor" arrays are float64, so every lane operation stays one width)."""
+    mx, my, xa, xb, ya, yb, ca, cb, cc, op, _s = _load_splat(means2d, conics, opacities, radii, g, px0, py0, pw, ph)
+    return mx, my, xa - px0, xb - px0, ya, yb, 0.5 * ca, cb, cc, op, np.float64(k)
+
+
+@nb.njit(cache=True, inline="always")
+def _lane_row(py, py0, my, cb, cc):
+    """Pixel row py: dy from the mean, the row's constant terms of sigma (0.5 cc dy^2 and cb dy) and its offset
+    into the tile's pixel arrays."""
+    dy = my - (py + 0.5)
+    return dy, 0.5 * cc * dy * dy, cb * dy, (py - py0) * TILE
+
+
 @nb.njit(parallel=True, cache=True, fastmath=True)
 def rasterize_fwd(offsets, ids, means2d, conics, colors, opacities, radii, backgrounds,
                   n_cams, width, height, tiles_x, tiles_y, want_stats, n_par):
@@ -285,21 +302,14 @@ def rasterize_fwd(offsets, ids, means2d, conics, colors, opacities, radii, backg
             if n_done >= n_px:
                 break
             g = ids[k]
-            mx, my, xa, xb, ya, yb, ca, cb, cc, op, s_max = _load_splat(
-                means2d, conics, opacities, radii, g, px0, py0, pw, ph)
-            if xa > xb or ya > yb:
+            mx, my, la, lb, ya, yb, hca, cb, cc, op, kf = _load_lanes(
+                means2d, conics, opacities, radii, g, k, px0, py0, pw, ph)
+            if la > lb or ya > yb:
                 continue
-            kf = np.float64(k)
-            la = xa - px0
-            lb = xb - px0
-            hca = 0.5 * ca
             wsum = 0.0
             nh = 0.0
             for py in range(ya, yb + 1):
-                dy = my - (py + 0.5)
-                hy = 0.5 * cc * dy * dy
-                bdy = cb * dy
-                base = (py - py0) * TILE
+                dy, hy, bdy, base = _lane_row(py, py0, my, cb, cc)
                 nd = 0.0
                 for lx in range(TILE):
                     li = _lane(base + lx)
@@ -348,6 +358,40 @@ def reduce_stats(ids, isect_w, isect_hits, G):
     return wsum, hits
 
 
+@nb.njit(cache=True, inline="always")
+def _bwd_tile(i, per, n_par, n_tot, offsets):
+    """Tile of parallel-loop index i for a backward pass, or -1 when there is none or its list is empty."""
+    t = _strided(i, per, n_par)
+    if t >= n_tot or offsets[t + 1] == offsets[t]:
+        return -1
+    return t
+
+
+@nb.njit(cache=True, inline="always")
+def _store_geometry(per_isect, k, v_mx, v_my, v_ca, v_cb, v_cc, v_op, abs_x, abs_y):
+    """The first eight columns of intersection k's row: d mean2d, d conic, d opacity, |d mean2d|."""
+    per_isect[k, 0] = v_mx
+    per_isect[k, 1] = v_my
+    per_isect[k, 2] = v_ca
+    per_isect[k, 3] = v_cb
+    per_isect[k, 4] = v_cc
+    per_isect[k, 5] = v_op
+    per_isect[k, 6] = abs_x
+    per_isect[k, 7] = abs_y
+
+
+@nb.njit(cache=True)
+def _sum_rows(ids, per_isect, G):
+    """Per-Gaussian sums [G, NG] of the per-intersection rows (serial: no two threads write one Gaussian)."""
+    NG = per_isect.shape[1]
+    grads = np.zeros((G, NG), np.float64)
+    for k in range(ids.shape[0]):
+        g = ids[k]
+        for j in range(NG):
+            grads[g, j] += per_isect[k, j]
+    return grads
+
+
 @nb.njit(parallel=True, cache=True, fastmath=True)
 def rasterize_bwd(offsets, ids, means2d, conics, colors, opacities, radii, backgrounds, T_final, last_ids,
                   v_out, v_alpha_out, n_cams, width, height, tiles_x, tiles_y, n_par, want_removal=False):
@@ -374,12 +418,10 @@ def rasterize_bwd(offsets, ids, means2d, conics, colors, opacities, radii, backg
     per_isect = np.zeros((M, NG), np.float64)
     n_tot, per = _tile_split(n_cams * n_tiles, n_par)
     for i in nb.prange(per * n_par):
-        t = _strided(i, per, n_par)
-        if t >= n_tot:
+        t = _bwd_tile(i, per, n_par, n_tot, offsets)
+        if t < 0:
             continue
         start = offsets[t]
-        if offsets[t + 1] == start:
-            continue
         cam, px0, py0, pw, ph = _tile_origin(t, n_tiles, tiles_x, width, height)
         Tl = np.ones(TILE * TILE, np.float64)
         Tf = np.ones(TILE * TILE, np.float64)
@@ -457,25 +499,13 @@ def rasterize_bwd(offsets, ids, means2d, conics, colors, opacities, radii, backg
                     abs_x += abs(gx)
                     abs_y += abs(gy)
                     v_op += g_op
-            per_isect[k, 0] = v_mx
-            per_isect[k, 1] = v_my
-            per_isect[k, 2] = v_ca
-            per_isect[k, 3] = v_cb
-            per_isect[k, 4] = v_cc
-            per_isect[k, 5] = v_op
-            per_isect[k, 6] = abs_x
-            per_isect[k, 7] = abs_y
+            _store_geometry(per_isect, k, v_mx, v_my, v_ca, v_cb, v_cc, v_op, abs_x, abs_y)
             for d in range(D):
                 per_isect[k, 8 + d] = vcol[d]
             if want_removal:
                 per_isect[k, 8 + D] = rem_lin
                 per_isect[k, 9 + D] = rem_sq
-    grads = np.zeros((G, NG), np.float64)
-    for k in range(M):
-        g = ids[k]
-        for j in range(NG):
-            grads[g, j] += per_isect[k, j]
-    return grads
+    return _sum_rows(ids, per_isect, G)
 
 
 @nb.njit(parallel=True, cache=True, fastmath=True)
@@ -499,12 +529,10 @@ def rasterize_bwd_rgb(offsets, ids, means2d, conics, colors, opacities, radii, b
     per_isect = np.zeros((M, NG), np.float64)
     n_tot, per = _tile_split(n_cams * n_tiles, n_par)
     for i in nb.prange(per * n_par):
-        t = _strided(i, per, n_par)
-        if t >= n_tot:
+        t = _bwd_tile(i, per, n_par, n_tot, offsets)
+        if t < 0:
             continue
         start = offsets[t]
-        if offsets[t + 1] == start:
-            continue
         cam, px0, py0, pw, ph = _tile_origin(t, n_tiles, tiles_x, width, height)
         Tl = np.ones(P, np.float64)
         Tf = np.ones(P, np.float64)
@@ -535,14 +563,10 @@ def rasterize_bwd_rgb(offsets, ids, means2d, conics, colors, opacities, radii, b
                                                      + backgrounds[cam, 2] * o2[li])
         for k in range(max_last, start - 1, -1):
             g = ids[k]
-            mx, my, xa, xb, ya, yb, ca, cb, cc, op, s_max = _load_splat(
-                means2d, conics, opacities, radii, g, px0, py0, pw, ph)
-            if xa > xb or ya > yb:
+            mx, my, la, lb, ya, yb, hca, cb, cc, op, kf = _load_lanes(
+                means2d, conics, opacities, radii, g, k, px0, py0, pw, ph)
+            if la > lb or ya > yb:
                 continue
-            kf = np.float64(k)
-            la = xa - px0
-            lb = xb - px0
-            hca = 0.5 * ca
             c0 = np.float64(colors[g, 0])
             c1 = np.float64(colors[g, 1])
             c2 = np.float64(colors[g, 2])
@@ -560,10 +584,7 @@ def rasterize_bwd_rgb(offsets, ids, means2d, conics, colors, opacities, radii, b
             rem_lin = 0.0
             rem_sq = 0.0
             for py in range(ya, yb + 1):
-                dy = my - (py + 0.5)
-                hy = 0.5 * cc * dy * dy
-                bdy = cb * dy
-                base = (py - py0) * TILE
+                dy, hy, bdy, base = _lane_row(py, py0, my, cb, cc)
                 for lx in range(TILE):
                     li = _lane(base + lx)
                     dx = mx - (px0 + lx + 0.5)
@@ -599,7 +620,7 @@ def rasterize_bwd_rgb(offsets, ids, means2d, conics, colors, opacities, radii, b
                     b1[li] = q1 + c1 * fac
                     b2[li] = q2 + c2 * fac
                     v_sigma = -a0 * v_alpha * (1.0 if a0 <= ALPHA_MAX else 0.0)  # no gradient where clamped
-                    gx = v_sigma * (ca * dx + cb * dy)
+                    gx = v_sigma * (2.0 * hca * dx + cb * dy)  # 2 hca = ca exactly
                     gy = v_sigma * (cb * dx + cc * dy)
                     v_ca += 0.5 * v_sigma * dx * dx
                     v_cb += v_sigma * dx * dy
@@ -609,23 +630,11 @@ def rasterize_bwd_rgb(offsets, ids, means2d, conics, colors, opacities, radii, b
                     abs_x += abs(gx)
                     abs_y += abs(gy)
                     v_op += vis * v_alpha * (1.0 if a0 <= ALPHA_MAX else 0.0)
-            per_isect[k, 0] = v_mx
-            per_isect[k, 1] = v_my
-            per_isect[k, 2] = v_ca
-            per_isect[k, 3] = v_cb
-            per_isect[k, 4] = v_cc
-            per_isect[k, 5] = v_op
-            per_isect[k, 6] = abs_x
-            per_isect[k, 7] = abs_y
+            _store_geometry(per_isect, k, v_mx, v_my, v_ca, v_cb, v_cc, v_op, abs_x, abs_y)
             per_isect[k, 8] = vc0
             per_isect[k, 9] = vc1
             per_isect[k, 10] = vc2
             if removal is not None:
                 per_isect[k, 11] = rem_lin
                 per_isect[k, 12] = rem_sq
-    grads = np.zeros((G, NG), np.float64)
-    for k in range(M):
-        g = ids[k]
-        for j in range(NG):
-            grads[g, j] += per_isect[k, j]
-    return grads
+    return _sum_rows(ids, per_isect, G)
