@@ -281,6 +281,9 @@ def test_rerun_tolerance_rules():
     q = "export.files.splat.max_errors.quat"
     assert all(d.ok for d in diff_metrics({q: 2.18e-5}, {q: 2.34e-5}))  # quantisation residue: absolute tolerance
     assert not all(d.ok for d in diff_metrics({q: 2.18e-5}, {q: 5e-3}))
+    mb = "export.files.spz.size_mb"  # rounded to 4 decimals: one unit of the last digit is rounding
+    assert all(d.ok for d in diff_metrics({mb: 0.0019}, {mb: 0.0018}))
+    assert not all(d.ok for d in diff_metrics({mb: 0.0019}, {mb: 0.0016}))
     missing = {d.key: d for d in diff_metrics(orig, {"evaluate.psnr": 25.0})}
     assert not missing["sfm.camera_rotation_error_deg"].ok  # a metric that vanished is a difference
     # PSNR is judged against the measured run-to-run spread when there is one
