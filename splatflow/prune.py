@@ -170,7 +170,8 @@ def removal_scores(splats: Splats, sh_degree: int, cameras: Sequence[Camera],
     """
     from splatflow.render import removal_loss
 
-    a = Splats.of(splats).to("cpu").activated(sh_degree)  # the removal kernels are the CPU ones (see above)
+    # the removal kernels are the CPU ones (see above); SH as stored, so no view copies the [N, K, 3] bands
+    a = Splats.of(splats).to("cpu").activated(sh_degree, sh_pair=True)
     n = a.means.shape[0]
     total = torch.zeros(n, dtype=torch.float64, device="cpu")
     for i in tqdm(range(len(cameras)), desc="removal cost", disable=not progress, leave=False):

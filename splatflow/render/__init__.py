@@ -241,8 +241,8 @@ def removal_loss(means: Tensor, quats: Tensor, scales: Tensor, opacities: Tensor
                  near_plane: float = 0.01, far_plane: float = 1e10, eps2d: float = 0.3) -> tuple[Tensor, Tensor]:
     """For every Gaussian, how much the squared error of C views would grow if it ALONE were removed.
 
-    Inputs as :func:`rasterize` (SH colours ``[N, K, 3]``); ``target`` ``[C, H, W, 3]`` (the render itself when
-    None, giving the pure removal energy). Returns ``(render [C, H, W, 3], increase [C, N])`` in squared
+    Inputs as :func:`rasterize` (SH colours ``[N, K, 3]`` or the pair ``(sh0, shN)``); ``target``
+    ``[C, H, W, 3]`` (the render itself when None, giving the pure removal energy). Returns ``(render [C, H, W, 3], increase [C, N])`` in squared
     [0, 1] units summed over pixels and channels; see :func:`splatflow.render.cpu.removal_loss_cpu`. Exact for
     single removals (each pixel is affine in one Gaussian's alpha), computed by the CPU kernels whatever the
     machine (there is no GPU version; pruning calls it a few times per phase, not per training step).
@@ -250,8 +250,9 @@ def removal_loss(means: Tensor, quats: Tensor, scales: Tensor, opacities: Tensor
     from .cpu import project_cpu, removal_loss_cpu
 
     dev = means.device
-    a = [t.detach().cpu() for t in (means, quats, scales, opacities, colors, viewmats, Ks)]
-    proj = project_cpu(*a[:5], a[5], a[6], width, height, near_plane=near_plane, far_plane=far_plane, eps2d=eps2d,
+    a = [t.detach().cpu() for t in (means, quats, scales, opacities, viewmats, Ks)]
+    sh = tuple(c.detach().cpu() for c in colors) if isinstance(colors, (tuple, list)) else colors.detach().cpu()
+    proj = project_cpu(*a[:4], sh, a[4], a[5], width, height, near_plane=near_plane, far_plane=far_plane, eps2d=eps2d,
                        antialiased=False, radius_clip=0.0, sh_degree=sh_degree)
     img, inc = removal_loss_cpu(proj["means2d"], proj["conics"], proj["colors"], proj["opacities"], proj["radii"],
                                 proj["depths"], int(width), int(height),
