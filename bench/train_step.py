@@ -106,7 +106,7 @@ def _minflt() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-PARTS = ("rasterize fwd", "rasterize bwd", "projection", "SSIM", "blur", "Adam", "strategy")
+PARTS = ("rasterize fwd", "rasterize bwd", "projection", "SSIM", "blur", "Adam", "cull", "strategy")
 
 
 class PartTimer:
@@ -184,6 +184,11 @@ class PartTimer:
             self.patch(filt, "_ssim_kernel", "SSIM")
         for opt in trainer.optimizers.values():
             self.patch(opt, "step", "Adam")
+        sparse = getattr(trainer, "sparse", None)  # the sparse step (train.sparse_step): its Adam and its cull
+        if sparse is not None:
+            self.patch(sparse, "step", "Adam")
+            self.patch(sparse, "flush", "Adam")
+            self.patch(mod("splatflow.train.loop"), "candidates", "cull")
         if trainer.strategy is not None:
             self.patch(trainer.strategy, "step_pre_backward", "strategy")
             self.patch(trainer.strategy, "step_post_backward", "strategy")
@@ -248,7 +253,7 @@ def time_steps(tr, steps: int, profile: bool = False) -> dict:
 
         prof.disable()
         pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
-    return {"step_ms": round(1000 * statistics.median(times), 2),
+    return {"step_ms": round(1000 * statistics.median(times), 2), "step_ms_mean": round(1000 * statistics.mean(times), 2),
             "step_ms_min": round(1000 * min(times), 2), "cpu_ms": round(cpu_ms, 2),
             "parts_ms": _shares(parts.seconds, sum(times), steps),
             "parts_cpu_ms": _shares(parts.cpu_seconds, cpu_ms * steps / 1000, steps),
@@ -257,10 +262,12 @@ def time_steps(tr, steps: int, profile: bool = False) -> dict:
                        "step": round((flt1 - flt0) / steps)}}
 
 
-def checkpoint_case(work: Path, ckpt: Path, step: int | None, steps: int, profile: bool = False) -> dict:
+def checkpoint_case(work: Path, ckpt: Path, step: int | None, steps: int, profile: bool = False,
+                    sparse: bool = True) -> dict:
     """Steps of a real run: ``bench/train_demo.py``'s scene in ``work`` and a checkpoint it wrote, continued at
     ``step`` (default: the checkpoint's) with ``params.yaml``'s train section (the schedules of that step:
-    resolution, training window, blur, SH degree; densification statistics accumulate, no refine event is timed)."""
+    resolution, training window, blur, SH degree; densification statistics accumulate, no refine event is timed),
+    with the sparse step (``train.sparse_step``) on or off."""
     from splatflow.config import load_params
     from splatflow.model import Checkpoint
     from splatflow.scene.dataset import load_scene
@@ -269,7 +276,7 @@ def checkpoint_case(work: Path, ckpt: Path, step: int | None, steps: int, profil
     cfg = load_params(ROOT / "params.yaml").train
     cfg = replace(cfg, progress=False, backend="cpu", resume=False,
                   early_stop=replace(cfg.early_stop, enabled=False),
-                  prune_during=replace(cfg.prune_during, enabled=False))
+                  prune_during=replace(cfg.prune_during, enabled=False), sparse_step=sparse)
     scene = load_scene(work / "undistorted", work / "split.json")
     tr = Trainer(scene, cfg)
     tr.load_state_dict(Checkpoint.load(ckpt))
@@ -278,7 +285,7 @@ def checkpoint_case(work: Path, ckpt: Path, step: int | None, steps: int, profil
         tr.step = step
     r = time_steps(tr, steps, profile)
     w, h = tr.cache.shape(0, tr.sched.resolution.factor(tr.step))
-    return dict(r, name=f"{ckpt.name}@{tr.step}", gaussians=tr.params["means"].shape[0], width=w, height=h,
+    return dict(r, name=f"{ckpt.name}@{tr.step}{'' if sparse else ' dense'}", sparse=sparse, gaussians=tr.params["means"].shape[0], width=w, height=h,
                 blur_sigma=tr.sched.blur.sigma(tr.step), patch_max_pixels=cfg.patch_max_pixels)
 
 
@@ -304,6 +311,10 @@ def main(argv=None):
                     help="bench/train_demo.py's work folder (scene and split) for --checkpoint")
     ap.add_argument("--at-step", type=int, default=None,
                     help="continue --checkpoint at this step's schedules (default: the checkpoint's step)")
+    ap.add_argument("--sparse", choices=("on", "off", "both"), default="on",
+                    help="--checkpoint steps with train.sparse_step on (the default), off, or both (dense first, "
+                         "then sparse, alternated --rounds times; prints the ratio)")
+    ap.add_argument("--rounds", type=int, default=1, help="with --sparse both: dense/sparse pairs to alternate")
     args = ap.parse_args(argv)
 
     from splatflow.render import configure_threads
@@ -314,11 +325,12 @@ def main(argv=None):
     jobs = [(name, n, w, h) for name, n, w, h in CASES if args.cases == "all" or name in args.cases.split(",")]
     if args.checkpoint and args.cases == "all":  # --checkpoint alone times only the real run
         jobs = []
-    jobs += [(ck, None, None, None) for ck in args.checkpoint]
+    modes = {"on": [True], "off": [False], "both": [False, True] * max(1, args.rounds)}[args.sparse]
+    jobs += [(ck, None, None, sp) for ck in args.checkpoint for sp in modes]
     with tempfile.TemporaryDirectory() as d:
         for name, n, w, h in jobs:
             if n is None:
-                r = checkpoint_case(args.work, name, args.at_step, args.steps, args.profile)
+                r = checkpoint_case(args.work, name, args.at_step, args.steps, args.profile, sparse=h)
                 name = f"{r['name']} ({r['gaussians']} G, {r['width']}x{r['height']})"
             else:
                 r = bench_case(name, n, w, h, args.steps, Path(d), args.profile, args.blur_sigma)
@@ -334,6 +346,12 @@ def main(argv=None):
             print(f"        faults per step {r['faults']['step']} (system CPU {r['sys_ms']:.1f} ms/step): "
                   + ", ".join(f"{k} {v}" for k, v in r["faults"].items() if k != "step"), flush=True)
     load1 = os.getloadavg()[0]
+    ck_runs = [r for r in results if "sparse" in r]
+    if args.sparse == "both" and ck_runs:
+        dense = [r["step_ms_mean"] for r in ck_runs if not r["sparse"]]
+        sparse = [r["step_ms_mean"] for r in ck_runs if r["sparse"]]
+        print(f"sparse step vs dense (mean step, alternated {len(dense)}x): dense {', '.join(f'{x:.1f}' for x in dense)} "
+              f"ms, sparse {', '.join(f'{x:.1f}' for x in sparse)} ms: {sum(dense) / sum(sparse):.2f}x")
     print(f"threads={args.threads} torch={torch.__version__} load average before/after: {load0:.2f}/{load1:.2f} "
           f"on {os.cpu_count()} cores")
     ten = [r for r in results if r["name"] == "10K@490x273"]

@@ -372,6 +372,9 @@ class TrainConfig:
     patch_level_exponent: float = 1.0
     # Adam updates only the Gaussians a step's render reaches (gsplat's visible_adam); others keep params + moments
     visible_adam: bool = False
+    # CPU backend: a step activates, projects and updates only the Gaussians its window can reach (splatflow.train.
+    # sparse), with Adam brought up to date lazily so the result is dense Adam's; false = every Gaussian every step
+    sparse_step: bool = True
     backend: Literal["auto", "cpu", "cuda", "torch"] = "auto"
     lr: LearningRates = field(default_factory=LearningRates)
     resolution: tuple[ResolutionPhase, ...] = field(default_factory=_default_phases)

@@ -52,6 +52,9 @@ def capture(tr, finished: bool, stopped: str = "") -> Checkpoint:
         "events": tr.events,
         "val_psnr": tr.val_psnr,
     }
+    sparse = getattr(tr, "sparse", None)
+    if sparse is not None and sparse.pending:  # an unfinished checkpoint of the sparse step: rows still behind
+        train["sparse"] = sparse.state_dict()
     return Splats.of(tr.params).to_checkpoint(
         tr.sched.sh.degree(max(tr.step - 1, 0)), tr.step, finished=finished,
         prune_during=to_device(tr.pruner.state_dict(), "cpu") if tr.pruner is not None else None, train=train)
@@ -75,8 +78,25 @@ def restore(tr, ckpt: Checkpoint | dict) -> None:
     tr.elapsed_s = float(st["elapsed_seconds"])
     tr.events = list(st.get("events", []))
     tr.val_psnr = st.get("val_psnr")
+    _restore_sparse(tr, st.get("sparse"))
     if tr.pruner is not None and ckpt.prune_during:
         tr.pruner.load_state_dict(ckpt.prune_during)
+
+
+def _restore_sparse(tr, state: dict | None) -> None:
+    """The sparse step's bookkeeping (train.sparse_step): rows the checkpoint holds behind their Adam count
+    continue from there; a run without the sparse step brings them up to date at once."""
+    from splatflow.train.sparse import SparseAdam
+
+    sparse = getattr(tr, "sparse", None)
+    if state is None:
+        if sparse is not None:
+            sparse.sync(tr.params, tr.optimizers, force=True)
+        return
+    lazy = sparse or SparseAdam(tr.params, tr.optimizers)
+    lazy.load_state_dict(to_device(state, "cpu"), tr.params, tr.optimizers)
+    if sparse is None:
+        lazy.flush(tr.params, tr.optimizers)
 
 
 def try_resume(tr) -> bool:

@@ -34,10 +34,11 @@ from splatflow.scene.images import ImageCache
 from splatflow.train import checkpoint, optim
 from splatflow.train.prune_during import PruneDuring
 from splatflow.train.rng import RunRNG
+from splatflow.train.sparse import SparseAdam, candidates
 from splatflow.train.schedules import (BlurSchedule, ExpDecay, PlateauStopper, ResolutionSchedule, Schedules,
                                        SHSchedule)
 from splatflow.train.sink import CSV_FIELDS, MetricsSink  # noqa: F401 - CSV_FIELDS: part of the interface
-from splatflow.train.strategies import make_strategy, rendered
+from splatflow.train.strategies import BudgetedDefaultStrategy, make_strategy, rendered
 from splatflow.train.windows import level_budget, patch_window
 
 log = logging.getLogger("splatflow.train")
@@ -130,6 +131,11 @@ class Trainer:
             if self.strategy else {}
         self.pruner = PruneDuring.from_config(cfg.prune_during, cfg.max_steps) \
             if densify and cfg.prune_during.enabled else None
+        # the sparse step (train.sparse_step): CPU rasterizer, plain Adam, a strategy that reads only screen-space
+        # gradients (3DGS-MCMC adds noise and regularisers to every Gaussian every step: it stays dense)
+        self.sparse = SparseAdam(self.params, self.optimizers) \
+            if cfg.sparse_step and self.run_device.backend == "cpu" and not cfg.visible_adam \
+            and (self.strategy is None or isinstance(self.strategy, BudgetedDefaultStrategy)) else None
         es = cfg.early_stop
         patience = max(es.eval_every, int(round(es.patience_steps * cfg.max_steps / es.reference_steps)))
         self.stopper = PlateauStopper(patience, es.min_delta_db,
@@ -150,7 +156,7 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------ rendering
     def render(self, i: int, factor: float, sh_degree: int, background: torch.Tensor | None = None,
-               patch: bool = False):
+               patch: bool = False, sparse: bool = False):
         """Render training view ``i`` at ``factor``: ``(rgb [H, W, 3], target [H, W, 3], info)``.
 
         With ``patch`` and a level larger than its window budget (``train.patch_max_pixels``, larger at coarse
@@ -158,6 +164,10 @@ class Trainer:
         aspect ratio) is rendered and returned (the rasterizer's ``window``: exactly those pixels of the whole
         render), so the Gaussians see full-detail pixels at a fraction of the cost. ``info["width"]``/``["height"]``
         stay those of the whole level, so densification gradients keep their scale (NDC units of the full view).
+
+        With ``sparse`` (the sparse step, :mod:`splatflow.train.sparse`) only the Gaussians that may reach the
+        window are rendered, from copies of their rows: ``info["rows"]`` holds their indices and ``info["leaves"]``
+        the copies, whose ``.grad`` the backward fills (``self.params`` get none).
         """
         from splatflow.render import rasterize
 
@@ -167,18 +177,25 @@ class Trainer:
         # only the window's pixels are converted and uploaded; K is the whole level's
         target, K = self.cache.get(i, factor, device=self.device, window=win)
         mask = self.cache.mask(i, factor, window=win)  # [H, W] bool keep-mask, None without masks
-        a = Splats.of(self.params).activated(sh_degree, sh_pair=True)  # differentiable: grads reach self.params
+        Kt = torch.as_tensor(K, dtype=torch.float32, device=self.device)  # [3, 3]
+        src, rows = self.params, None
+        if sparse:
+            rows = candidates(self.params, self.viewmats[i], Kt, w, h, win)  # [n] int64
+            src = {k: self.params[k].detach().index_select(0, rows).requires_grad_(True) for k in SPLAT_KEYS}
+        a = Splats.of(src).activated(sh_degree, sh_pair=True)  # differentiable: grads reach src
         rgb, _, info = rasterize(
-            a.means, a.quats, a.scales, a.opacities, a.colors, self.viewmats[i][None],
-            torch.as_tensor(K, dtype=torch.float32, device=self.device)[None], w, h,
+            a.means, a.quats, a.scales, a.opacities, a.colors, self.viewmats[i][None], Kt[None], w, h,
             sh_degree=sh_degree, backgrounds=None if background is None else background[None],
             backend=self.cfg.backend, absgrad=self.cfg.densify.absgrad, window=win)
         info["loss_mask"] = None if mask is None else mask.to(target.device)  # read by train_step and validate
+        if sparse:
+            info["rows"], info["leaves"] = rows, src
         return rgb[0], target, info  # [H, W, 3]
 
     @torch.no_grad()
     def validate(self) -> float:
         """Mean PSNR over the validation subset of TRAINING views at ``early_stop.val_factor`` (no blur)."""
+        self.flush()
         deg = self.sched.sh.degree(self.step)
         vals = []
         for i in self.val_ids:
@@ -198,7 +215,7 @@ class Trainer:
         for g in self.optimizers["means"].param_groups:
             g["lr"] = means_lr
         bg = torch.rand(3, device=self.device) if cfg.random_background else None
-        rgb, target, info = self.render(i, factor, deg, bg, patch=True)
+        rgb, target, info = self.render(i, factor, deg, bg, patch=True, sparse=self.sparse is not None)
         if self.strategy is not None:
             self.strategy.step_pre_backward(self.params, self.optimizers, self.strategy_state, step, info)
         pred = rgb.permute(2, 0, 1)[None]  # [1, 3, H, W]
@@ -222,14 +239,21 @@ class Trainer:
             raise FloatingPointError(f"loss is {loss_f} at step {step} (view {self.views[i].name})")
         loss.backward()
         if not self._grad_checked:
-            self._check_gradients(self.views[i].name)
-        if cfg.visible_adam:
+            self._check_gradients(self.views[i].name, info.get("leaves", self.params))
+        if self.sparse is not None:
+            leaves = info["leaves"]
+            self.sparse.step(self.params, self.optimizers, info["rows"], {k: leaves[k].grad for k in SPLAT_KEYS})
+        elif cfg.visible_adam:
             self._visible_adam_step(info)
         else:
             optim.step(self.optimizers)
         if self.strategy is not None:
+            if self.sparse is not None and self.strategy.changes_params_at(step):
+                self.sparse.flush(self.params, self.optimizers)  # a refine or reset reads and rewrites all rows
             self.strategy.step_post_backward(self.params, self.optimizers, self.strategy_state, step, info,
                                              lr=s.means_lr.lr(step))
+            if self.sparse is not None:
+                self.sparse.sync(self.params, self.optimizers)
         with torch.no_grad():  # any NaN/Inf entry makes its group's sum non-finite: one check, one host sync
             sums = torch.stack([self.params[k].sum() for k in _NAN_CHECKED])
             if not bool(torch.isfinite(sums).all()):
@@ -260,11 +284,12 @@ class Trainer:
         self.events.append(ev)
         self.sink.event(ev)
 
-    def _check_gradients(self, view_name: str) -> None:
-        """Gradient health: all-zero gradients mean the loss does not reach the Gaussians."""
+    def _check_gradients(self, view_name: str, params: dict) -> None:
+        """Gradient health: all-zero gradients mean the loss does not reach the Gaussians (``params``: the tensors
+        the step differentiated, the sparse step's row copies or ``self.params``)."""
         self._grad_checked = True
         dead = [k for k in ("means", "sh0", "opacities")
-                if self.params[k].grad is None or not bool(self.params[k].grad.abs().sum() > 0)]
+                if params[k].grad is None or not bool(params[k].grad.abs().sum() > 0)]
         if dead:
             raise GradientHealthError(
                 f"after the first backward pass the gradients of {', '.join(dead)} are all zero (view "
@@ -273,8 +298,20 @@ class Trainer:
                 "Training would run and learn nothing, so it stops here.")
 
     # ------------------------------------------------------------------------------------------ state
+    def flush(self) -> None:
+        """Bring every Gaussian's parameters and Adam moments up to date (the sparse step defers the rows a step
+        does not reach): before anything reads or rewrites all of them. A no-op for the dense step."""
+        if self.sparse is not None:
+            self.sparse.flush(self.params, self.optimizers)
+
     def state_dict(self, finished: bool, stopped: str = "") -> Checkpoint:
-        """Everything an exact resume needs, every tensor on the CPU (:func:`splatflow.train.checkpoint.capture`)."""
+        """Everything an exact resume needs, every tensor on the CPU (:func:`splatflow.train.checkpoint.capture`).
+
+        A finished run's parameters are brought up to date first; an unfinished one's are written as they are,
+        with the sparse step's bookkeeping, so that resuming continues bit for bit (bringing rows up to date at a
+        step the uninterrupted run did not would round differently)."""
+        if finished:
+            self.flush()
         return checkpoint.capture(self, finished, stopped)
 
     def load_state_dict(self, ckpt: Checkpoint | dict) -> None:
@@ -322,7 +359,9 @@ class Trainer:
                     reason = self.stopper.update(self.step, self.val_psnr)
                     t_last = time.perf_counter()  # validation is not training time
                 if self.pruner is not None:  # train.prune_during cuts; their scoring counts as training time
-                    self.pruner.after_step(self)
+                    self.pruner.after_step(self)  # (it validates, so flushes, before it cuts or undoes)
+                    if self.sparse is not None:
+                        self.sparse.sync(self.params, self.optimizers)
                 if self.step % cfg.log_every == 0 or self.step == cfg.max_steps or reason:
                     row["psnr"] = self.row_psnr()
                     self.sink.row(row)  # live: plots/S/train.csv can be watched while training runs
@@ -357,6 +396,7 @@ class Trainer:
             self._restore_sigterm(old_handler)
 
     def _result(self, stopped, start_step, t_start, initial_psnr, saved) -> TrainResult:
+        self.flush()
         self.sink.close()
         done = self.step - start_step
         if saved and self.ckpt_path and stopped.startswith("nonfinite"):

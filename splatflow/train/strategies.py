@@ -112,10 +112,23 @@ class BudgetedDefaultStrategy(DefaultStrategy):
         if state["grad2d"] is None or state["grad2d"].shape[0] != n:
             state["grad2d"] = grad.new_zeros(n)  # [N]
             state["count"] = grad.new_zeros(n)  # [N]
-        sel = rendered(info, per_view=True)  # [C, N]
+        sel = rendered(info, per_view=True)  # [C, N] (or [C, n]: the sparse step's rows)
         norms = (grad * scale).norm(dim=-1)  # [C, N] gradient in NDC units, as the 3DGS reference
-        state["grad2d"] += (norms * sel).sum(dim=0)
-        state["count"] += sel.sum(dim=0).to(state["count"].dtype)
+        rows = info.get("rows")  # the sparse step (splatflow.train.sparse): info covers these Gaussians only
+        if rows is None:
+            state["grad2d"] += (norms * sel).sum(dim=0)
+            state["count"] += sel.sum(dim=0).to(state["count"].dtype)
+        else:
+            state["grad2d"].index_add_(0, rows, (norms * sel).sum(dim=0))
+            state["count"].index_add_(0, rows, sel.sum(dim=0).to(state["count"].dtype))
+
+    def changes_params_at(self, step: int) -> bool:
+        """Whether :meth:`step_post_backward` at ``step`` may replace or rewrite the parameters (a refine or an
+        opacity reset): the sparse step brings every row up to date first."""
+        if step >= self.refine_stop_iter:
+            return False
+        return (step > self.refine_start_iter and step % self.refine_every == 0) or \
+            (self.reset_every > 0 and step > 0 and step % self.reset_every == 0)
 
     def step_post_backward(self, params, optimizers, state, step, info, *, lr: float = 0.0, packed: bool = False):
         self.last_event = None  # lr: the protocol's; adaptive density control does not use it
