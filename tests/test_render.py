@@ -374,6 +374,48 @@ def test_vectorised_rgb_backward_equals_the_general_kernel(removal):
     np.testing.assert_allclose(rgb, general, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_tiles_a_splat_cannot_reach_are_left_out_with_identical_results(dtype):
+    """Binning lists a splat only in the tiles of its radius rectangle where it can reach alpha >= 1/255: fewer
+    list entries than the rectangle's tiles (elongated, tilted splats), and the same image, transmittance and
+    gradients, bit for bit, as the rectangle lists (what the kernels got before)."""
+    import numba
+    import numpy as np
+
+    from splatflow.render import _kernels as K
+    from splatflow.render.cpu import _binned, project_cpu
+    from splatflow.render.projection import tile_grid
+
+    sc = make_scene(N=400, C=2, W=96, H=80, dtype=dtype)
+    sc["scales"][:, 0] *= 6.0  # elongated: their rectangles hold many tiles they never reach
+    with torch.no_grad():
+        p = project_cpu(sc["means"], sc["quats"], sc["scales"], sc["opacities"], sc["colors"], sc["viewmats"],
+                        sc["Ks"], sc["width"], sc["height"], near_plane=0.01, far_plane=1e10, eps2d=0.3,
+                        antialiased=False, radius_clip=0.0, sh_degree=sc["sh_degree"])
+    tx, ty = tile_grid(sc["width"], sc["height"])
+    offsets, ids, m2, con, col, op, rad, bg = _binned(p["means2d"], p["conics"], p["colors"], p["opacities"],
+                                                      p["radii"], p["depths"], None, tx, ty)
+    G = m2.shape[0]
+    vis = np.flatnonzero((rad[:, 0] > 0) & (rad[:, 1] > 0))
+    order = vis[np.argsort(p["depths"].numpy().reshape(G)[vis], kind="stable")]
+    # zero conics make the reach test pass everywhere: the radius-rectangle lists
+    r_offsets, r_ids = K.bin_tiles(m2, rad, np.zeros_like(con), op, order, G // 2, 2, tx, ty)
+    assert len(ids) < 0.9 * len(r_ids)
+    n_par = numba.get_num_threads()
+    results = []
+    for o, i in ((offsets, ids), (r_offsets, r_ids)):
+        out, T, last, _, _ = K.rasterize_fwd(o, i, m2, con, col, op, rad, bg, 2, sc["width"], sc["height"], tx, ty,
+                                             False, n_par)
+        v_img = np.random.default_rng(1).standard_normal(out.shape)
+        v_alpha = np.random.default_rng(2).standard_normal(T.shape)
+        grads = K.rasterize_bwd_rgb(o, i, m2, con, col, op, rad, bg, T, last, v_img, v_alpha, 2, sc["width"],
+                                    sc["height"], tx, ty, n_par, None)
+        results.append((out, T, grads))
+    assert np.abs(results[0][2]).max() > 0
+    for a, b in zip(results[0], results[1]):
+        assert np.array_equal(a, b)
+
+
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
 @pytest.mark.parametrize("sh_degree", [1, 3])
 def test_sh_pair_renders_and_differentiates_like_joined_colors(backend, sh_degree):

@@ -61,13 +61,43 @@ def _tile_rect(mx, my, rx, ry, tiles_x, tiles_y):
     return x0, x1, y0, y1
 
 
+@nb.njit(cache=True, inline="always")
+def _edge_min(d_fixed, lo, hi, c_fixed, c_cross, c_free):
+    """Smallest ``0.5 c_fixed f^2 + c_cross f u + 0.5 c_free u^2`` over ``u`` in [lo, hi] at ``f = d_fixed``."""
+    u = min(hi, max(lo, -c_cross * d_fixed / c_free))
+    return 0.5 * c_fixed * d_fixed * d_fixed + c_cross * d_fixed * u + 0.5 * c_free * u * u
+
+
+@nb.njit(cache=True, inline="always")
+def _tile_reached(mx, my, ca, cb, cc, sig_max, tx, ty):
+    """Whether the splat can reach alpha >= 1/255 at any pixel centre of tile (tx, ty): the smallest sigma
+    ``0.5 ca dx^2 + cb dx dy + 0.5 cc dy^2`` over the rectangle of the tile's pixel centres (at the mean when it
+    lies inside, else on an edge) is at most ``sig_max = ln(255 op)`` (plus a margin for the kernels' exp). A
+    diagonal or elongated splat misses many tiles of its radius rectangle, which then need no list entry: the
+    compositing would only have masked every pixel of them out (the same image and gradients, less work)."""
+    if not (ca > 0.0 and cc > 0.0):
+        return True
+    x_lo = tx * TILE + 0.5
+    x_hi = x_lo + TILE - 1.0
+    y_lo = ty * TILE + 0.5
+    y_hi = y_lo + TILE - 1.0
+    if x_lo <= mx <= x_hi and y_lo <= my <= y_hi:
+        return True
+    # offsets d = mean - pixel over the rectangle: dx in [mx - x_hi, mx - x_lo], dy in [my - y_hi, my - y_lo]
+    dx_lo, dx_hi, dy_lo, dy_hi = mx - x_hi, mx - x_lo, my - y_hi, my - y_lo
+    s = min(min(_edge_min(dx_lo, dy_lo, dy_hi, ca, cb, cc), _edge_min(dx_hi, dy_lo, dy_hi, ca, cb, cc)),
+            min(_edge_min(dy_lo, dx_lo, dx_hi, cc, cb, ca), _edge_min(dy_hi, dx_lo, dx_hi, cc, cb, ca)))
+    return s <= sig_max + 1e-6 * (1.0 + abs(sig_max))
+
+
 @nb.njit(cache=True)
-def bin_tiles(means2d, radii, order, n_per_cam, n_cams, tiles_x, tiles_y):
+def bin_tiles(means2d, radii, conics, opacities, order, n_per_cam, n_cams, tiles_x, tiles_y):
     """Depth-sorted Gaussian lists per tile.
 
     ``order`` lists the visible Gaussians (radii > 0; others are skipped) by depth, stably; scattering them into
-    their tiles in that order makes every tile's list depth sorted without a per-tile sort. Returns ``offsets``
-    [n_cams * n_tiles + 1] and ``ids`` [M].
+    their tiles in that order makes every tile's list depth sorted without a per-tile sort. A Gaussian is listed in
+    the tiles of its radius rectangle that it can reach at alpha >= 1/255 (:func:`_tile_reached`). Returns
+    ``offsets`` [n_cams * n_tiles + 1] and ``ids`` [M].
     """
     G = means2d.shape[0]
     n_tiles = tiles_x * tiles_y
@@ -77,11 +107,15 @@ def bin_tiles(means2d, radii, order, n_per_cam, n_cams, tiles_x, tiles_y):
         ry = radii[g, 1]
         if rx <= 0 or ry <= 0:
             continue
-        x0, x1, y0, y1 = _tile_rect(means2d[g, 0], means2d[g, 1], rx, ry, tiles_x, tiles_y)
+        mx, my = np.float64(means2d[g, 0]), np.float64(means2d[g, 1])
+        ca, cb, cc = np.float64(conics[g, 0]), np.float64(conics[g, 1]), np.float64(conics[g, 2])
+        sig_max = math.log(max(np.float64(opacities[g]), ALPHA_MIN) / ALPHA_MIN)
+        x0, x1, y0, y1 = _tile_rect(mx, my, rx, ry, tiles_x, tiles_y)
         base = (g // n_per_cam) * n_tiles + 1
         for ty in range(y0, y1):
             for tx in range(x0, x1):
-                counts[base + ty * tiles_x + tx] += 1
+                if _tile_reached(mx, my, ca, cb, cc, sig_max, tx, ty):
+                    counts[base + ty * tiles_x + tx] += 1
     offsets = np.cumsum(counts)
     cursor = offsets[:-1].copy()
     ids = np.empty(offsets[-1], np.int32)
@@ -91,13 +125,17 @@ def bin_tiles(means2d, radii, order, n_per_cam, n_cams, tiles_x, tiles_y):
         ry = radii[g, 1]
         if rx <= 0 or ry <= 0:
             continue
-        x0, x1, y0, y1 = _tile_rect(means2d[g, 0], means2d[g, 1], rx, ry, tiles_x, tiles_y)
+        mx, my = np.float64(means2d[g, 0]), np.float64(means2d[g, 1])
+        ca, cb, cc = np.float64(conics[g, 0]), np.float64(conics[g, 1]), np.float64(conics[g, 2])
+        sig_max = math.log(max(np.float64(opacities[g]), ALPHA_MIN) / ALPHA_MIN)
+        x0, x1, y0, y1 = _tile_rect(mx, my, rx, ry, tiles_x, tiles_y)
         base = (g // n_per_cam) * n_tiles
         for ty in range(y0, y1):
             for tx in range(x0, x1):
-                t = base + ty * tiles_x + tx
-                ids[cursor[t]] = g
-                cursor[t] += 1
+                if _tile_reached(mx, my, ca, cb, cc, sig_max, tx, ty):
+                    t = base + ty * tiles_x + tx
+                    ids[cursor[t]] = g
+                    cursor[t] += 1
     return offsets, ids
 
 

@@ -46,7 +46,7 @@ def _binned(means2d, conics, colors, opacities, radii, depths, backgrounds, tile
     vis = np.flatnonzero((rad[:, 0] > 0) & (rad[:, 1] > 0))
     order = vis[np.argsort(_np(depths.reshape(G))[vis], kind="stable")]
     bg = _np(backgrounds, torch.float64) if backgrounds is not None else np.zeros((C, D), np.float64)
-    offsets, ids = K.bin_tiles(m2, rad, order, N, C, tiles_x, tiles_y)
+    offsets, ids = K.bin_tiles(m2, rad, con, op, order, N, C, tiles_x, tiles_y)
     return offsets, ids, m2, con, col, op, rad, bg
 
 
