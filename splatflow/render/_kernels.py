@@ -90,52 +90,74 @@ def _tile_reached(mx, my, ca, cb, cc, sig_max, tx, ty):
     return s <= sig_max + 1e-6 * (1.0 + abs(sig_max))
 
 
+@nb.njit(parallel=True, cache=True)
+def _reached_tiles(means2d, radii, conics, opacities, tiles_x, tiles_y):
+    """For every visible splat, one flag per tile of its radius rectangle (row by row): whether it can reach that
+    tile (:func:`_tile_reached`). ``start[g]`` is splat g's first flag. The tests run in parallel; the binning's
+    two sequential passes then only read the flags."""
+    G = means2d.shape[0]
+    start = np.zeros(G + 1, np.int64)
+    for g in range(G):
+        if radii[g, 0] > 0 and radii[g, 1] > 0:
+            x0, x1, y0, y1 = _tile_rect(means2d[g, 0], means2d[g, 1], radii[g, 0], radii[g, 1], tiles_x, tiles_y)
+            start[g + 1] = (x1 - x0) * (y1 - y0)
+    start = np.cumsum(start)
+    flags = np.zeros(start[G], np.uint8)
+    for g in nb.prange(G):
+        if radii[g, 0] <= 0 or radii[g, 1] <= 0:
+            continue
+        mx, my = np.float64(means2d[g, 0]), np.float64(means2d[g, 1])
+        ca, cb, cc = np.float64(conics[g, 0]), np.float64(conics[g, 1]), np.float64(conics[g, 2])
+        sig_max = math.log(max(np.float64(opacities[g]), ALPHA_MIN) / ALPHA_MIN)
+        x0, x1, y0, y1 = _tile_rect(means2d[g, 0], means2d[g, 1], radii[g, 0], radii[g, 1], tiles_x, tiles_y)
+        j = start[g]
+        for ty in range(y0, y1):
+            for tx in range(x0, x1):
+                flags[j] = 1 if _tile_reached(mx, my, ca, cb, cc, sig_max, tx, ty) else 0
+                j += 1
+    return start, flags
+
+
 @nb.njit(cache=True)
 def bin_tiles(means2d, radii, conics, opacities, order, n_per_cam, n_cams, tiles_x, tiles_y):
     """Depth-sorted Gaussian lists per tile.
 
     ``order`` lists the visible Gaussians (radii > 0; others are skipped) by depth, stably; scattering them into
     their tiles in that order makes every tile's list depth sorted without a per-tile sort. A Gaussian is listed in
-    the tiles of its radius rectangle that it can reach at alpha >= 1/255 (:func:`_tile_reached`). Returns
-    ``offsets`` [n_cams * n_tiles + 1] and ``ids`` [M].
+    the tiles of its radius rectangle that it can reach at alpha >= 1/255 (:func:`_tile_reached`, evaluated once
+    per tile in parallel by :func:`_reached_tiles`). Returns ``offsets`` [n_cams * n_tiles + 1] and ``ids`` [M].
     """
     G = means2d.shape[0]
     n_tiles = tiles_x * tiles_y
+    start, flags = _reached_tiles(means2d, radii, conics, opacities, tiles_x, tiles_y)
     counts = np.zeros(n_cams * n_tiles + 1, np.int64)
     for g in range(G):
-        rx = radii[g, 0]
-        ry = radii[g, 1]
-        if rx <= 0 or ry <= 0:
+        if radii[g, 0] <= 0 or radii[g, 1] <= 0:
             continue
-        mx, my = np.float64(means2d[g, 0]), np.float64(means2d[g, 1])
-        ca, cb, cc = np.float64(conics[g, 0]), np.float64(conics[g, 1]), np.float64(conics[g, 2])
-        sig_max = math.log(max(np.float64(opacities[g]), ALPHA_MIN) / ALPHA_MIN)
-        x0, x1, y0, y1 = _tile_rect(mx, my, rx, ry, tiles_x, tiles_y)
+        x0, x1, y0, y1 = _tile_rect(means2d[g, 0], means2d[g, 1], radii[g, 0], radii[g, 1], tiles_x, tiles_y)
         base = (g // n_per_cam) * n_tiles + 1
+        j = start[g]
         for ty in range(y0, y1):
             for tx in range(x0, x1):
-                if _tile_reached(mx, my, ca, cb, cc, sig_max, tx, ty):
-                    counts[base + ty * tiles_x + tx] += 1
+                counts[base + ty * tiles_x + tx] += flags[j]
+                j += 1
     offsets = np.cumsum(counts)
     cursor = offsets[:-1].copy()
     ids = np.empty(offsets[-1], np.int32)
     for i in range(order.shape[0]):
         g = order[i]
-        rx = radii[g, 0]
-        ry = radii[g, 1]
-        if rx <= 0 or ry <= 0:
+        if radii[g, 0] <= 0 or radii[g, 1] <= 0:
             continue
-        mx, my = np.float64(means2d[g, 0]), np.float64(means2d[g, 1])
-        ca, cb, cc = np.float64(conics[g, 0]), np.float64(conics[g, 1]), np.float64(conics[g, 2])
-        sig_max = math.log(max(np.float64(opacities[g]), ALPHA_MIN) / ALPHA_MIN)
-        x0, x1, y0, y1 = _tile_rect(mx, my, rx, ry, tiles_x, tiles_y)
+        x0, x1, y0, y1 = _tile_rect(means2d[g, 0], means2d[g, 1], radii[g, 0], radii[g, 1], tiles_x, tiles_y)
         base = (g // n_per_cam) * n_tiles
+        j = start[g]
         for ty in range(y0, y1):
             for tx in range(x0, x1):
-                if _tile_reached(mx, my, ca, cb, cc, sig_max, tx, ty):
+                if flags[j]:
                     t = base + ty * tiles_x + tx
                     ids[cursor[t]] = g
                     cursor[t] += 1
+                j += 1
     return offsets, ids
 
 
