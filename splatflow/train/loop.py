@@ -34,10 +34,10 @@ from splatflow.scene.images import ImageCache
 from splatflow.train import checkpoint, optim
 from splatflow.train.prune_during import PruneDuring
 from splatflow.train.rng import RunRNG
-from splatflow.train.sparse import SparseAdam, candidates
 from splatflow.train.schedules import (BlurSchedule, ExpDecay, PlateauStopper, ResolutionSchedule, Schedules,
                                        SHSchedule)
 from splatflow.train.sink import CSV_FIELDS, MetricsSink  # noqa: F401 - CSV_FIELDS: part of the interface
+from splatflow.train.sparse import SparseAdam, candidates
 from splatflow.train.strategies import BudgetedDefaultStrategy, make_strategy, rendered
 from splatflow.train.windows import level_budget, patch_window
 
