@@ -20,10 +20,13 @@ system and took back) with the system CPU time they cost. Parts that a given cod
 torch ops, whose backward autograd runs itself) land in "other".
 
     python bench/train_step.py [--threads 2] [--steps 30] [--blur-sigma 2.4] [--json PATH] [--profile]
-    python bench/train_step.py --checkpoint /tmp/splatflow_train_demo/ckpt.pt [--at-step 3000]
+    python bench/train_step.py --checkpoint /tmp/splatflow_train_demo/ckpt.pt [--at-step 3050] [--sparse both]
 
 ``--checkpoint`` times steps of a real run instead: the 800x600 scene ``bench/train_demo.py`` left in ``--work`` and
 a checkpoint of its run (e.g. 120K Gaussians late in training, on training windows of ``train.patch_max_pixels``).
+``--sparse both`` times those steps with the dense and the sparse step (``train.sparse_step``) in one process and
+prints the ratio; the sparse step's Adam counts as "Adam" and its candidate cull as "cull". Pick ``--at-step`` off
+the multiples of ``densify.refine_every``, or every timed step includes a refine.
 """
 
 from __future__ import annotations
