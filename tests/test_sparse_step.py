@@ -165,6 +165,24 @@ def test_sparse_step_only_where_it_is_dense_adam(scene):
     assert Trainer(scene, small_cfg(visible_adam=True)).sparse is None
     cfg = small_cfg()
     assert Trainer(scene, replace(cfg, densify=replace(cfg.densify, strategy="mcmc"))).sparse is None
+    # a strategy plugged in later (any object with the protocol's methods) may touch every row at any step: the
+    # trainer brings every row up to date and goes on densely
+    from splatflow.train.strategies import TorchMCMCStrategy
+
+    tr = Trainer(scene, small_cfg(patch_max_pixels=1200), seed=0)
+    for _ in range(3):
+        with tr.rng.lent():
+            tr.train_step()
+        tr.step += 1
+    assert tr.sparse.pending
+    sparse, flushed = tr.sparse, []
+    flush = sparse.flush
+    sparse.flush = lambda *a: (flushed.append(True), flush(*a))
+    tr.strategy = TorchMCMCStrategy()
+    tr.strategy_state = tr.strategy.initialize_state()
+    with tr.rng.lent():
+        tr.train_step()
+    assert tr.sparse is None and flushed and not sparse.pending
 
 
 def test_sparse_training_learns_as_the_dense_step_does(scene):

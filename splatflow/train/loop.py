@@ -135,7 +135,7 @@ class Trainer:
         # gradients (3DGS-MCMC adds noise and regularisers to every Gaussian every step: it stays dense)
         self.sparse = SparseAdam(self.params, self.optimizers) \
             if cfg.sparse_step and self.run_device.backend == "cpu" and not cfg.visible_adam \
-            and (self.strategy is None or isinstance(self.strategy, BudgetedDefaultStrategy)) else None
+            and _sparse_compatible(self.strategy) else None
         es = cfg.early_stop
         patience = max(es.eval_every, int(round(es.patience_steps * cfg.max_steps / es.reference_steps)))
         self.stopper = PlateauStopper(patience, es.min_delta_db,
@@ -206,6 +206,11 @@ class Trainer:
     # ------------------------------------------------------------------------------------------ one step
     def train_step(self) -> dict:
         step, cfg, s = self.step, self.cfg, self.sched
+        if self.sparse is not None and not _sparse_compatible(self.strategy):
+            # a strategy plugged in after construction may read or write every row, or add loss terms on them,
+            # at any step: bring every row up to date and go on with dense steps
+            self.flush()
+            self.sparse = None
         i = random.randrange(len(self.views))
         phase = s.resolution.phase(step)
         factor = s.resolution.factors[phase]
@@ -421,6 +426,12 @@ class Trainer:
     def _restore_sigterm(self, block) -> None:
         block.__exit__(None, None, None)
 
+
+
+def _sparse_compatible(strategy) -> bool:
+    """Whether the sparse step can run beside ``strategy``: none, or adaptive density control, which reads only the
+    rendered rows' screen-space gradients and says when it rewrites rows (``changes_params_at``)."""
+    return strategy is None or isinstance(strategy, BudgetedDefaultStrategy)
 
 
 def _progress(enabled: bool, total: int, initial: int):
