@@ -162,47 +162,27 @@ def _adam_row(p, m, v, r, g, j, b1, b2, step_size, inv_bc2s, eps):
 
 
 @nb.njit(parallel=True, cache=True)
-def adam_rows(p, m, v, last, rows, g, t, lr, bc1, bc2s, beta1, beta2, eps):
-    """Adam count ``t`` on rows ``rows`` of ``p`` [N, D] (float32) with gradients ``g`` [len(rows), D], after
-    catching each row up from its count ``last[row]``; moments ``m``, ``v`` [N, D] in place; ``last[rows] = t``.
+def adam_rows(p, m, v, last, walk, gpos, g, t, lr, bc1, bc2s, beta1, beta2, eps):
+    """Adam count ``t`` on the rows ``walk`` of ``p`` [N, D] (float32), row ``walk[j]`` with gradient ``g[gpos[j]]``
+    (a zero gradient where ``gpos[j] < 0``), each first caught up from its count ``last[row]``; moments ``m``, ``v``
+    [N, D] in place; ``last[walk] = t``. The caller walks the rows a step reached, or every row in order when it
+    reached a large share of them (streaming through memory costs less than jumping).
 
     ``lr[c]``, ``bc1[c] = 1 - b1^c`` and ``bc2s[c] = sqrt(1 - b2^c)`` are per Adam count (index 0 unused)."""
-    n = rows.shape[0]
+    n = walk.shape[0]
     t0_min = t
     for j in range(n):
-        t0_min = min(t0_min, last[rows[j]])
+        t0_min = min(t0_min, last[walk[j]])
     F, B1, B2 = gap_table(lr, bc1, bc2s, beta1, beta2, t - 1, max(0, t - 1 - t0_min))
     v_free = (EPS_FREE * eps) ** 2
     step_size = np.float32(lr[t] / bc1[t])
     inv_bc2s = np.float32(1.0 / bc2s[t])
     b1, b2, e = np.float32(beta1), np.float32(beta2), np.float32(eps)
     for j in nb.prange(n):
-        r = rows[j]
+        r = walk[j]
         _bring_to(p, m, v, last, r, t - 1, F, B1, B2, v_free, lr, bc1, bc2s, beta1, beta2, eps)
-        _adam_row(p, m, v, r, g, j, b1, b2, step_size, inv_bc2s, e)
+        _adam_row(p, m, v, r, g, gpos[j], b1, b2, step_size, inv_bc2s, e)
         last[r] = t
-
-
-@nb.njit(parallel=True, cache=True)
-def adam_all_rows(p, m, v, last, gidx, g, t, lr, bc1, bc2s, beta1, beta2, eps):
-    """:func:`adam_rows` walking every row in order (row ``r``'s gradient is ``g[gidx[r]]``, none where
-    ``gidx[r] < 0``): when a step reaches a large share of the model, streaming through all rows costs less than
-    jumping between the reached ones. Every row ends current at count ``t``."""
-    N = p.shape[0]
-    t0_min = t
-    for r in range(N):
-        t0_min = min(t0_min, last[r])
-    F, B1, B2 = gap_table(lr, bc1, bc2s, beta1, beta2, t - 1, max(0, t - 1 - t0_min))
-    v_free = (EPS_FREE * eps) ** 2
-    step_size = np.float32(lr[t] / bc1[t])
-    inv_bc2s = np.float32(1.0 / bc2s[t])
-    b1, b2, e = np.float32(beta1), np.float32(beta2), np.float32(eps)
-    n_blocks = (N + 255) // 256
-    for blk in nb.prange(n_blocks):
-        for r in range(blk * 256, min(N, blk * 256 + 256)):
-            _bring_to(p, m, v, last, r, t - 1, F, B1, B2, v_free, lr, bc1, bc2s, beta1, beta2, eps)
-            _adam_row(p, m, v, r, g, gidx[r], b1, b2, step_size, inv_bc2s, e)
-            last[r] = t
 
 
 @nb.njit(parallel=True, cache=True)

@@ -151,15 +151,16 @@ class SparseAdam:
     def step(self, params: dict, optimizers: dict, rows: torch.Tensor, grads: dict) -> None:
         """One Adam count for every group: rows ``rows`` with gradients ``grads[k]`` ([len(rows), ...]; None =
         zeros), the other rows deferred."""
-        from splatflow.render._sparse_kernels import adam_all_rows, adam_rows
+        from splatflow.render._sparse_kernels import adam_rows
 
         self.sync(params, optimizers)
         r = rows.numpy()
         n_all = params["means"].shape[0]
-        gidx = None
         if len(r) > DENSE_SHARE * n_all:  # most rows reached: stream through all of them instead of jumping
-            gidx = np.full(n_all, -1, np.int64)
-            gidx[r] = np.arange(len(r))
+            walk, gpos = np.arange(n_all, dtype=np.int64), np.full(n_all, -1, np.int64)
+            gpos[r] = np.arange(len(r))
+        else:
+            walk, gpos = r, np.arange(len(r), dtype=np.int64)
         for k in SPLAT_KEYS:
             p, opt = params[k], optimizers[k]
             st = self._state(opt, p)
@@ -171,10 +172,9 @@ class SparseAdam:
             g = grads.get(k)
             g = torch.zeros((len(r),) + tuple(p.shape[1:]), dtype=p.dtype, device=p.device) if g is None \
                 else g.contiguous()
-            args = (_rows2d(p), _rows2d(st["exp_avg"]), _rows2d(st["exp_avg_sq"]), self.last[k],
-                    r if gidx is None else gidx, g.detach().view(len(r), -1).numpy(), t, self.lr[k], self._bc1,
-                    self._bc2s, self.beta1, self.beta2, self.eps)
-            (adam_rows if gidx is None else adam_all_rows)(*args)
+            adam_rows(_rows2d(p), _rows2d(st["exp_avg"]), _rows2d(st["exp_avg_sq"]), self.last[k], walk, gpos,
+                      g.detach().view(len(r), -1).numpy(), t, self.lr[k], self._bc1, self._bc2s, self.beta1,
+                      self.beta2, self.eps)
         self.pending = True
 
     def flush(self, params: dict, optimizers: dict) -> None:
