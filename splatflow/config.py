@@ -375,6 +375,10 @@ class TrainConfig:
     # CPU backend: a step activates, projects and updates only the Gaussians its window can reach (splatflow.train.
     # sparse), with Adam brought up to date lazily so the result is dense Adam's; false = every Gaussian every step
     sparse_step: bool = True
+    # CPU backend: keep the Gaussians sorted along a Morton curve of their positions (at the start and after every
+    # densification event), so a window's rows are contiguous in memory (splatflow.train.rows); false = the order
+    # densification leaves them in
+    spatial_order: bool = True
     backend: Literal["auto", "cpu", "cuda", "torch"] = "auto"
     lr: LearningRates = field(default_factory=LearningRates)
     resolution: tuple[ResolutionPhase, ...] = field(default_factory=_default_phases)

@@ -34,6 +34,7 @@ from splatflow.scene.images import ImageCache
 from splatflow.train import checkpoint, optim
 from splatflow.train.prune_during import PruneDuring
 from splatflow.train.rng import RunRNG
+from splatflow.train.rows import reorder_spatially, spatial_order
 from splatflow.train.schedules import (BlurSchedule, ExpDecay, PlateauStopper, ResolutionSchedule, Schedules,
                                        SHSchedule)
 from splatflow.train.sink import CSV_FIELDS, MetricsSink  # noqa: F401 - CSV_FIELDS: part of the interface
@@ -115,9 +116,15 @@ class Trainer:
                          for v in self.views]  # [4, 4] each
         self.scene_scale = scene_scale(np.stack([v.world_to_cam for v in self.views]))  # training cameras only
         self.sched = schedules or Schedules.from_config(cfg, self.scene_scale)
+        # CPU: rows in Morton order of position, kept so after every densification event (splatflow.train.rows);
+        # splats handed in keep the caller's order until the first event
+        self.spatial_order = cfg.spatial_order and self.run_device.backend == "cpu"
         if splats is None:
             splats = init_splats(scene.points, scene.colors, sh_degree=cfg.sh_degree,
                                  init_opacity=cfg.init_opacity, init_scale=cfg.init_scale)
+            if self.spatial_order:
+                perm = spatial_order(splats["means"])
+                splats = {k: splats[k].index_select(0, perm) for k in SPLAT_KEYS}
         splats = Splats.of(splats, "the initial splats").validate("the initial splats", "check where they come from")
         self.initial_count = splats.n
         self.params = {k: torch.nn.Parameter(splats[k].detach().to(self.device, torch.float32, copy=True))
@@ -257,6 +264,9 @@ class Trainer:
                 self.sparse.flush(self.params, self.optimizers)  # a refine or reset reads and rewrites all rows
             self.strategy.step_post_backward(self.params, self.optimizers, self.strategy_state, step, info,
                                              lr=s.means_lr.lr(step))
+            if self.spatial_order and getattr(self.strategy, "last_event", None):
+                # new rows were appended (or rows removed): sort again; all rows are current (flushed above)
+                reorder_spatially(self.params, self.optimizers, self.strategy_state)
             if self.sparse is not None:
                 self.sparse.sync(self.params, self.optimizers)
         with torch.no_grad():  # any NaN/Inf entry makes its group's sum non-finite: one check, one host sync

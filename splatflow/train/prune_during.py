@@ -32,12 +32,10 @@ import torch
 from splatflow.config import PruneDuringConfig
 from splatflow.errors import UserError
 from splatflow.model import SPLAT_KEYS, Splats
+from splatflow.train.rows import STRATEGY_ROW_KEYS, keep_rows
 
 log = logging.getLogger("splatflow.train")
 
-# per-Gaussian entries of a densification strategy's state (rows follow the Gaussians)
-_STRATEGY_ROW_KEYS = ("grad2d", "count", "radii")
-_ADAM_ROW_KEYS = ("exp_avg", "exp_avg_sq")
 
 
 def cut_steps(cfg: PruneDuringConfig, max_steps: int) -> list[int]:
@@ -85,29 +83,6 @@ def accepted(val_psnr: float, ref_psnr: float, max_drop_db: float) -> bool:
 # --------------------------------------------------------------------------------------------- model surgery
 
 
-def keep_rows(params: dict, optimizers: dict, strategy_state: dict, rows: torch.Tensor) -> None:
-    """Keep only Gaussians ``rows`` (ascending indices) in the parameters, their Adam moments and the strategy's
-    per-Gaussian state, in place of the dicts' entries (new ``Parameter`` objects, as gsplat's strategy ops do)."""
-    n_old = params["means"].shape[0]
-    for k in SPLAT_KEYS:
-        old = params[k]
-        r = rows.to(old.device)
-        new = torch.nn.Parameter(old.detach().index_select(0, r).contiguous())
-        opt = optimizers[k]
-        st = opt.state.pop(old, {})
-        for name in _ADAM_ROW_KEYS:
-            if name in st:
-                st[name] = st[name].index_select(0, r).contiguous()
-        opt.param_groups[0]["params"] = [new]
-        if st:
-            opt.state[new] = st
-        params[k] = new
-    for name in _STRATEGY_ROW_KEYS:
-        v = strategy_state.get(name)
-        if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == n_old:
-            strategy_state[name] = v.index_select(0, rows.to(v.device)).contiguous()
-
-
 def snapshot(params: dict, optimizers: dict) -> dict:
     """Copies of the parameters and their Adam state (what undoing a cut restores)."""
     out = {}
@@ -130,7 +105,7 @@ def restore(params: dict, optimizers: dict, strategy_state: dict, snap: dict) ->
         if st:
             opt.state[new] = st
         params[k] = new
-    for name in _STRATEGY_ROW_KEYS:
+    for name in STRATEGY_ROW_KEYS:
         if isinstance(strategy_state.get(name), torch.Tensor):
             strategy_state[name] = None
 
