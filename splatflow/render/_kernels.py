@@ -310,8 +310,17 @@ def _load_lanes(means2d, conics, opacities, radii, g, k, px0, py0, pw, ph):
     """Row g for the 16-lane row loops: mean, its pixel rectangle in the tile as lanes [la, lb] x rows [ya, yb]
     (empty when la > lb or ya > yb), half the first conic entry, the other two, the opacity, and list position k
     as a float (the lanes' "last contributor" arrays are float64, so every lane operation stays one width)."""
-    mx, my, xa, xb, ya, yb, ca, cb, cc, op, _s = _load_splat(means2d, conics, opacities, radii, g, px0, py0, pw, ph)
-    return mx, my, xa - px0, xb - px0, ya, yb, 0.5 * ca, cb, cc, op, np.float64(k)
+    mx, my, xa, xb, ya, yb, ca, cb, cc, op, s_max = _load_splat(means2d, conics, opacities, radii, g, px0, py0, pw,
+                                                                ph)
+    return mx, my, xa - px0, xb - px0, ya, yb, 0.5 * ca, cb, cc, op, np.float64(k), s_max
+
+
+@nb.njit(cache=True, inline="always")
+def _row_reached(mx, dy, hca, cb, cc, s_max, la, lb, px0):
+    """Whether some pixel of the row (lanes [la, lb]) can reach alpha >= 1/255 (:func:`_row_span`): the row loops
+    skip the rows of a splat's rectangle that it cannot reach, where every lane would get mask 0."""
+    lo, hi = _row_span(mx, dy, 2.0 * hca, cb, cc, s_max, la + px0, lb + px0)
+    return lo <= hi
 
 
 @nb.njit(cache=True, inline="always")
@@ -362,7 +371,7 @@ def rasterize_fwd(offsets, ids, means2d, conics, colors, opacities, radii, backg
             if n_done >= n_px:
                 break
             g = ids[k]
-            mx, my, la, lb, ya, yb, hca, cb, cc, op, kf = _load_lanes(
+            mx, my, la, lb, ya, yb, hca, cb, cc, op, kf, s_max = _load_lanes(
                 means2d, conics, opacities, radii, g, k, px0, py0, pw, ph)
             if la > lb or ya > yb:
                 continue
@@ -370,6 +379,8 @@ def rasterize_fwd(offsets, ids, means2d, conics, colors, opacities, radii, backg
             nh = 0.0
             for py in range(ya, yb + 1):
                 dy, hy, bdy, base = _lane_row(py, py0, my, cb, cc)
+                if not _row_reached(mx, dy, hca, cb, cc, s_max, la, lb, px0):
+                    continue
                 nd = 0.0
                 for lx in range(TILE):
                     li = _lane(base + lx)
@@ -623,7 +634,7 @@ def rasterize_bwd_rgb(offsets, ids, means2d, conics, colors, opacities, radii, b
                                                      + backgrounds[cam, 2] * o2[li])
         for k in range(max_last, start - 1, -1):
             g = ids[k]
-            mx, my, la, lb, ya, yb, hca, cb, cc, op, kf = _load_lanes(
+            mx, my, la, lb, ya, yb, hca, cb, cc, op, kf, s_max = _load_lanes(
                 means2d, conics, opacities, radii, g, k, px0, py0, pw, ph)
             if la > lb or ya > yb:
                 continue
@@ -645,6 +656,8 @@ def rasterize_bwd_rgb(offsets, ids, means2d, conics, colors, opacities, radii, b
             rem_sq = 0.0
             for py in range(ya, yb + 1):
                 dy, hy, bdy, base = _lane_row(py, py0, my, cb, cc)
+                if not _row_reached(mx, dy, hca, cb, cc, s_max, la, lb, px0):
+                    continue
                 for lx in range(TILE):
                     li = _lane(base + lx)
                     dx = mx - (px0 + lx + 0.5)
