@@ -245,7 +245,9 @@ class DensifyConfig:
     refine_start_fraction: float = 0.05
     refine_stop_fraction: float = 0.6
     refine_every: int = 100
-    reset_every: int = 3000  # opacity reset period (default strategy); 0 disables
+    # opacity reset period (default strategy) and the step after which refines also prune too-large Gaussians; 0
+    # disables both (the default: a reset costs more than it cleans in a 5-minute schedule, bench/RESULTS.md)
+    reset_every: int = 0
     grow_grad2d: float = 0.0002
     grow_scale3d: float = 0.01
     prune_opa: float = 0.005

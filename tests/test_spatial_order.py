@@ -5,16 +5,15 @@ each densification event without changing what it learns.
 The scene is the synthetic room at 96x72 with its true cameras (as tests/test_train.py).
 """
 
-from dataclasses import replace
-
 import pytest
 import torch
 
 from splatflow.model import SPLAT_KEYS, Splats
 from splatflow.render import configure_threads
-from splatflow.train import Trainer, optim, train
+from splatflow.train import Trainer, optim
 from splatflow.train.rows import keep_rows, morton_codes, reorder_spatially, spatial_order
-from tests.test_train import small_cfg, test_view_psnr
+from tests.test_sparse_step import train_off_and_on
+from tests.test_train import small_cfg
 from tests.test_train import scene, scene_dir  # noqa: F401 - the module's fixtures
 
 
@@ -109,11 +108,6 @@ def test_the_cpu_trainer_keeps_its_rows_in_spatial_order(scene):
 def test_training_in_spatial_order_learns_as_without_it(scene):
     """The order changes float rounding only: 300 steps from the same seed reach the same held-out PSNR (within
     0.5 dB, the seed-to-seed spread here) with about as many Gaussians."""
-    cfg = small_cfg(300, patch_max_pixels=96 * 72 // 4)
-    cfg = replace(cfg, early_stop=replace(cfg.early_stop, enabled=False))
-    out = {}
-    for on in (False, True):
-        res = train(scene, replace(cfg, spatial_order=on), seed=0)
-        out[on] = (test_view_psnr(res.splats, scene.test_views, res.sh_degree), Splats.of(res.splats).n)
+    out = train_off_and_on(scene, "spatial_order")
     assert abs(out[True][0] - out[False][0]) < 0.5, out
     assert abs(out[True][1] - out[False][1]) < 0.15 * out[False][1], out

@@ -37,7 +37,6 @@ from splatflow.train.rows import STRATEGY_ROW_KEYS, keep_rows
 log = logging.getLogger("splatflow.train")
 
 
-
 def cut_steps(cfg: PruneDuringConfig, max_steps: int) -> list[int]:
     """The training steps (counted as completed steps) after which each cut is made: ``phases`` evenly spaced
     steps from ``start_fraction`` to ``end_fraction`` of ``max_steps``.
