@@ -308,8 +308,9 @@ def _row_mask(lx, la, lb, sigma, alpha):
 @nb.njit(cache=True, inline="always")
 def _load_lanes(means2d, conics, opacities, radii, g, k, px0, py0, pw, ph):
     """Row g for the 16-lane row loops: mean, its pixel rectangle in the tile as lanes [la, lb] x rows [ya, yb]
-    (empty when la > lb or ya > yb), half the first conic entry, the other two, the opacity, and list position k
-    as a float (the lanes' "last contributor" arrays are float64, so every lane operation stays one width)."""
+    (empty when la > lb or ya > yb), half the first conic entry, the other two, the opacity, list position k as a
+    float (the lanes' "last contributor" arrays are float64, so every lane operation stays one width), and the
+    largest sigma that still reaches alpha >= 1/255 (for :func:`_row_reached`)."""
     mx, my, xa, xb, ya, yb, ca, cb, cc, op, s_max = _load_splat(means2d, conics, opacities, radii, g, px0, py0, pw,
                                                                 ph)
     return mx, my, xa - px0, xb - px0, ya, yb, 0.5 * ca, cb, cc, op, np.float64(k), s_max
