@@ -11,14 +11,14 @@ from dataclasses import replace
 import pytest
 import torch
 
-from splatflow.model import SPLAT_KEYS, Splats
+from splatflow.model import SPLAT_KEYS
 from splatflow.render import configure_threads
 from splatflow.render.constants import ALPHA_MIN
-from splatflow.train import Trainer, optim, train
+from splatflow.train import Trainer, optim
 from splatflow.train.loop import photometric_loss
 from splatflow.train.sparse import SparseAdam, candidates
 from splatflow.train.windows import level_budget, patch_window
-from tests.test_train import small_cfg, test_view_psnr
+from tests.test_train import small_cfg, train_off_and_on
 from tests.test_train import scene, scene_dir  # noqa: F401 - the module's fixtures
 
 
@@ -195,14 +195,3 @@ def test_sparse_training_learns_as_the_dense_step_does(scene):
     assert abs(p_sparse - p_dense) < 0.5, out
     assert abs(n_sparse - n_dense) < 0.05 * n_dense, out
 
-
-def train_off_and_on(scene, switch: str) -> dict:
-    """{False: (held-out PSNR, Gaussians), True: (...)} of two 300-step runs from seed 0 on quarter-view windows
-    with densification, the train setting ``switch`` off and on (a helper, not a test)."""
-    cfg = small_cfg(300, patch_max_pixels=96 * 72 // 4)
-    cfg = replace(cfg, early_stop=replace(cfg.early_stop, enabled=False))
-    out = {}
-    for on in (False, True):
-        res = train(scene, replace(cfg, **{switch: on}), seed=0)
-        out[on] = (test_view_psnr(res.splats, scene.test_views, res.sh_degree), Splats.of(res.splats).n)
-    return out

@@ -12,8 +12,7 @@ from splatflow.model import SPLAT_KEYS, Splats
 from splatflow.render import configure_threads
 from splatflow.train import Trainer, optim
 from splatflow.train.rows import keep_rows, morton_codes, reorder_spatially, spatial_order
-from tests.test_sparse_step import train_off_and_on
-from tests.test_train import small_cfg
+from tests.test_train import small_cfg, train_off_and_on
 from tests.test_train import scene, scene_dir  # noqa: F401 - the module's fixtures
 
 

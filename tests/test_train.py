@@ -63,6 +63,18 @@ def test_view_psnr(splats, views, sh_degree) -> float:
 test_view_psnr.__test__ = False  # a helper, not a test
 
 
+def train_off_and_on(scene, switch: str) -> dict:
+    """{False: (held-out PSNR, Gaussians), True: (...)} of two 300-step runs from seed 0 on quarter-view windows
+    with densification, the train setting ``switch`` off and on (a helper, not a test)."""
+    cfg = small_cfg(300, patch_max_pixels=96 * 72 // 4)
+    cfg = replace(cfg, early_stop=replace(cfg.early_stop, enabled=False))
+    out = {}
+    for on in (False, True):
+        res = train(scene, replace(cfg, **{switch: on}), seed=0)
+        out[on] = (test_view_psnr(res.splats, scene.test_views, res.sh_degree), Splats.of(res.splats).n)
+    return out
+
+
 @pytest.mark.parametrize("strategy", ["mcmc", "default"])
 def test_training_lifts_test_view_psnr_well_above_the_initial_render(scene, tmp_path, strategy):
     init = init_splats(scene.points, scene.colors, sh_degree=3)
