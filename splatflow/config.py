@@ -12,6 +12,7 @@ and unknown keys generically.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -666,12 +667,18 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
         check(isinstance(value, int) and not isinstance(value, bool), key, "an integer", value)
         return value
     if tp is float:
+        if isinstance(value, str) and _YAML11_FLOAT.fullmatch(value.strip()):
+            return float(value)  # 8e-5: PyYAML (YAML 1.1) reads it as text; DVC's YAML 1.2 as the number it is
         check(isinstance(value, (int, float)) and not isinstance(value, bool), key, "a number", value)
         return float(value)
     if tp is str:
         check(isinstance(value, str), key, "a string", value)
         return value
     raise ConfigError(f"params.yaml: {key}: unsupported type {tp!r} in the config schema")
+
+
+# exponent notation without a dot (8e-5, 1E+3), which YAML 1.1 leaves a string
+_YAML11_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
 def _build(cls: type, data: dict, prefix: str) -> Any:

@@ -62,3 +62,17 @@ def test_colmap_scene_and_new_defaults():
     assert p.scene("garden").colmap == "sparse/0" and p.scene("garden").ground_truth is None
     assert params_from_dict({"base": {"scenes": {"a": "x"}}}).scene("a").colmap is None
     assert p.sfm.camera_mode == "auto" and p.split.test_names is None
+
+
+def test_exponent_without_dot_is_a_number(tmp_path):
+    """`8e-5` is text to PyYAML (YAML 1.1) but a number to DVC's YAML 1.2 (`dvc exp run -S train.lr.means=8e-5`
+    writes it so): a float field takes it; other text there is still refused."""
+    f = tmp_path / "params.yaml"
+    f.write_text("train:\n  lr:\n    means: 8e-5\n  densify:\n    grow_grad2d: 2E-4\n")
+    p = load_params(f)
+    assert p.train.lr.means == pytest.approx(8e-5)
+    assert p.train.densify.grow_grad2d == pytest.approx(2e-4)
+    with pytest.raises(ConfigError, match="train.lr.means"):
+        params_from_dict({"train": {"lr": {"means": "8e-5x"}}})
+    with pytest.raises(ConfigError, match="split.every_n"):
+        params_from_dict({"split": {"every_n": "8e1"}})  # integers stay strict
