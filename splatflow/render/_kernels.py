@@ -14,11 +14,16 @@ radius rectangle. The radius is opacity aware (see :mod:`.projection`), so every
 every pixel of every listed tile.
 
 The per-Gaussian and per-pixel input arrays come in the caller's dtype (float32 in training, float64 in
-``gradcheck``; numba compiles one specialisation per dtype). Every value is read into float64 and all per-pixel
-state (transmittance, colour sums) and gradient sums are float64, so a float32 array gives exactly the result its
-float64 copy would, without the copy. The compositing kernels use ``fastmath`` (fused multiply-add,
-reassociation; no NaN/inf reach them). ``exp(-sigma)``, the most frequent operation, is a branch-free polynomial
-accurate to 5e-9 (:func:`_exp`), used by every kernel in every dtype, so forward and backward agree exactly.
+``gradcheck``; numba compiles one specialisation per dtype). The training kernels (:func:`rasterize_fwd`,
+:func:`rasterize_bwd_rgb`) take the float type ``F`` of their per-pixel state (transmittance, colour sums) and
+per-intersection sums as an argument: the caller passes the inputs' type (``cpu._work_type``), so a float32 model
+composites in float32 as gsplat's CUDA kernels do (twice the pixels per SIMD instruction: 1.2-1.3x faster,
+bench/RESULTS.md), and float64 inputs composite in float64 for the exactness tests. Per-splat set-up (the radius
+rectangle, the row reach test) stays float64, and per-Gaussian gradient sums are float64. The general kernels
+compute in float64. The compositing kernels use ``fastmath`` (fused multiply-add, reassociation; no NaN/inf reach
+them). ``exp(-sigma)``, the most frequent operation, is a branch-free polynomial (:func:`_exp`, accurate to 5e-9
+in float64 and to a few float32 roundings in float32), used by every kernel, so forward and backward agree
+exactly.
 
 Vectorisation: the training kernels (:func:`rasterize_fwd`, :func:`rasterize_bwd_rgb`) composite a splat over
 all 16 pixels of a tile row at once, branch free, with unsigned pixel indices; the compiler turns those loops into
@@ -192,13 +197,14 @@ kernels evaluate exp on ``min(sigma, SIGMA_CLAMP)``."""
 
 
 @nb.njit(cache=True, inline="always")
-def _exp_neg_poly(s):
-    """exp(-s) for 0 <= s <= SIGMA_CLAMP without a libm call and without a branch or table (so a loop over pixels
-    vectorises): exp(-s) = exp(-s/16)^16, exp(-x) on [0, 0.5] by its degree-9 Taylor polynomial (relative error
-    < 3e-10, times 16 after the four squarings: < 5e-9, below float32's 6e-8)."""
-    x = s * 0.0625
-    p = 1.0 + x * (-1.0 + x * (0.5 + x * (-1.0 / 6.0 + x * (1.0 / 24.0 + x * (-1.0 / 120.0 + x * (
-        1.0 / 720.0 + x * (-1.0 / 5040.0 + x * (1.0 / 40320.0 - x * (1.0 / 362880.0)))))))))
+def _exp_neg_poly(s, F):
+    """exp(-s) for 0 <= s <= SIGMA_CLAMP in the float type F, without a libm call and without a branch or table
+    (so a loop over pixels vectorises): exp(-s) = exp(-s/16)^16, exp(-x) on [0, 0.5] by its degree-9 Taylor
+    polynomial (relative error < 3e-10, times 16 after the four squarings: < 5e-9, below float32's 6e-8; in
+    float32 the rounding of the polynomial dominates, a few 1e-7)."""
+    x = s * F(0.0625)
+    p = F(1.0) + x * (F(-1.0) + x * (F(0.5) + x * (F(-1.0 / 6.0) + x * (F(1.0 / 24.0) + x * (F(-1.0 / 120.0) + x * (
+        F(1.0 / 720.0) + x * (F(-1.0 / 5040.0) + x * (F(1.0 / 40320.0) - x * F(1.0 / 362880.0)))))))))
     p = p * p
     p = p * p
     p = p * p
@@ -206,10 +212,11 @@ def _exp_neg_poly(s):
 
 
 @nb.njit(cache=True, inline="always")
-def _exp(sigma):
-    """exp(-sigma) as every compositing kernel evaluates it (sigma clamped to [0, SIGMA_CLAMP]); one definition, so
-    the forward and the backward draw and differentiate exactly the same alphas."""
-    return _exp_neg_poly(min(max(sigma, 0.0), SIGMA_CLAMP))
+def _exp(sigma, F):
+    """exp(-sigma) in the float type F (np.float64 or np.float32) as every compositing kernel evaluates it (sigma
+    clamped to [0, SIGMA_CLAMP]); one definition, so the forward and the backward draw and differentiate exactly
+    the same alphas."""
+    return _exp_neg_poly(min(max(sigma, F(0.0)), F(SIGMA_CLAMP)), F)
 
 
 @nb.njit(cache=True, inline="always")
@@ -246,7 +253,7 @@ def _alpha_at(dx, dy, ca, cb, cc, op):
     sigma = 0.5 * (ca * dx * dx + cc * dy * dy) + cb * dx * dy
     if sigma < 0.0:
         return 0.0, 0.0, 0.0
-    vis = _exp(sigma)
+    vis = _exp(sigma, np.float64)
     a0 = op * vis
     return min(ALPHA_MAX, a0), a0, vis
 
@@ -298,22 +305,37 @@ def _lane(i):
 
 
 @nb.njit(cache=True, inline="always")
-def _row_mask(lx, la, lb, sigma, alpha):
-    """1.0 where lane lx of a tile row is inside the splat's pixel rectangle [la, lb] and reaches alpha >= 1/255,
-    else 0.0 (a branch-free mask: the vectorised loops multiply by it)."""
-    return ((1.0 if lx >= la else 0.0) * (1.0 if lx <= lb else 0.0) * (1.0 if sigma >= 0.0 else 0.0)
-            * (1.0 if alpha >= ALPHA_MIN else 0.0))
+def _step(ok, F):
+    """1 or 0 in the float type F (the branch-free masks)."""
+    return F(1.0) if ok else F(0.0)
+
+
+@nb.njit(cache=True, inline="always")
+def _row_mask(lx, la, lb, sigma, alpha, F):
+    """1 where lane lx of a tile row is inside the splat's pixel rectangle [la, lb] and reaches alpha >= 1/255,
+    else 0, in the float type F (a branch-free mask: the vectorised loops multiply by it)."""
+    return (_step(lx >= la, F) * _step(lx <= lb, F) * _step(sigma >= F(0.0), F)
+            * _step(alpha >= F(ALPHA_MIN), F))
 
 
 @nb.njit(cache=True, inline="always")
 def _load_lanes(means2d, conics, opacities, radii, g, k, px0, py0, pw, ph):
     """Row g for the 16-lane row loops: mean, its pixel rectangle in the tile as lanes [la, lb] x rows [ya, yb]
-    (empty when la > lb or ya > yb), half the first conic entry, the other two, the opacity, list position k as a
-    float (the lanes' "last contributor" arrays are float64, so every lane operation stays one width), and the
-    largest sigma that still reaches alpha >= 1/255 (for :func:`_row_reached`)."""
+    (empty when la > lb or ya > yb), half the first conic entry, the other two, the opacity, list position k, and
+    the largest sigma that still reaches alpha >= 1/255 (for :func:`_row_reached`). All float64 (the per-splat
+    set-up); :func:`_lane_consts` brings what the lanes use to their float type."""
     mx, my, xa, xb, ya, yb, ca, cb, cc, op, s_max = _load_splat(means2d, conics, opacities, radii, g, px0, py0, pw,
                                                                 ph)
-    return mx, my, xa - px0, xb - px0, ya, yb, 0.5 * ca, cb, cc, op, np.float64(k), s_max
+    return mx, my, xa - px0, xb - px0, ya, yb, 0.5 * ca, cb, cc, op, k, s_max
+
+
+@nb.njit(cache=True, inline="always")
+def _lane_consts(mx, px0, hca, cb, op, k, start, F):
+    """What a splat's lane loops read, in their float type F: the mean's x from the first pixel centre of the tile
+    row (dx = that - lane), half the first conic entry, the second, the opacity, and list position k from the
+    start of the tile's list (small, so exact in float32 too: the lanes' "last contributor" arrays are of type F,
+    so every lane operation stays one width)."""
+    return F(mx - px0 - 0.5), F(hca), F(cb), F(op), F(k - start)
 
 
 @nb.njit(cache=True, inline="always")
@@ -325,94 +347,124 @@ def _row_reached(mx, dy, hca, cb, cc, s_max, la, lb, px0):
 
 
 @nb.njit(cache=True, inline="always")
-def _lane_row(py, py0, my, cb, cc):
-    """Pixel row py: dy from the mean, the row's constant terms of sigma (0.5 cc dy^2 and cb dy) and its offset
-    into the tile's pixel arrays."""
+def _lane_row(py, py0, my, cb, cc, F):
+    """Pixel row py: dy from the mean (float64), and in the lanes' float type F: dy, the row's constant terms of
+    sigma (0.5 cc dy^2 and cb dy); and the row's offset into the tile's pixel arrays."""
     dy = my - (py + 0.5)
-    return dy, 0.5 * cc * dy * dy, cb * dy, (py - py0) * TILE
+    return dy, F(dy), F(0.5 * cc * dy * dy), F(cb * dy), (py - py0) * TILE
 
 
 @nb.njit(parallel=True, cache=True, fastmath=True)
 def rasterize_fwd(offsets, ids, means2d, conics, colors, opacities, radii, backgrounds,
-                  n_cams, width, height, tiles_x, tiles_y, want_stats, n_par):
-    """Front-to-back compositing per tile.
+                  n_cams, width, height, tiles_x, tiles_y, want_stats, n_par, F):
+    """Front-to-back compositing per tile, with per-pixel state and sums in the float type ``F`` (np.float32 in
+    training, as gsplat; np.float64 for exact checks).
 
-    Returns colour [C, H, W, D], final transmittance [C, H, W] (float64), the list position of the last
+    Returns colour [C, H, W, D] (colors' dtype), final transmittance [C, H, W] (F), the list position of the last
     Gaussian that contributed to each pixel [C, H, W] (-1: none), and per-intersection weight sums and hit counts
     (empty unless ``want_stats``).
 
     Each splat is composited one tile row at a time over all 16 pixels of the row, branch free (a pixel outside
     the splat's rectangle, below 1/255 or already saturated gets weight 0 and keeps its state), so the compiler
-    vectorises the row (AVX2/AVX-512: 4/8 pixels per instruction). The results are those of a per-pixel loop
-    that skips those pixels.
+    vectorises the row (AVX2/AVX-512: 8/16 float32 pixels per instruction). The results are those of a per-pixel
+    loop that skips those pixels.
     """
     D = colors.shape[1]
     n_tiles = tiles_x * tiles_y
     M = ids.shape[0]
     out = np.empty((n_cams, height, width, D), colors.dtype)
-    T_out = np.empty((n_cams, height, width), np.float64)
+    T_out = np.empty((n_cams, height, width), F)
     last_out = np.empty((n_cams, height, width), np.int64)
     n_stats = M if want_stats else 0
     isect_w = np.zeros(n_stats, np.float64)
     isect_hits = np.zeros(n_stats, np.int32)
     n_tot, per = _tile_split(n_cams * n_tiles, n_par)
+    one = F(1.0)
+    a_max = F(ALPHA_MAX)
+    t_min = F(T_MIN)
+    rgb = D == 3
     for i in nb.prange(per * n_par):
         t = _strided(i, per, n_par)
         if t >= n_tot:
             continue
         cam, px0, py0, pw, ph = _tile_origin(t, n_tiles, tiles_x, width, height)
         n_px = pw * ph
-        Tl = np.ones(TILE * TILE, np.float64)
-        live = np.ones(TILE * TILE, np.float64)  # 1.0 until the pixel saturates
-        acc = np.zeros((D, TILE * TILE), np.float64)
-        lastf = np.full(TILE * TILE, -1.0, np.float64)  # list position of the last contributor (exact in float64)
-        wrow = np.zeros(TILE, np.float64)
+        start = offsets[t]
+        lanes = np.arange(TILE).astype(F)
+        Tl = np.ones(TILE * TILE, F)
+        live = np.ones(TILE * TILE, F)  # 1 until the pixel saturates
+        acc = np.zeros((D, TILE * TILE), F)  # colour sums, other channel counts
+        acc0 = np.zeros(TILE * TILE, F)  # colour sums for RGB, summed in the row loop itself
+        acc1 = np.zeros(TILE * TILE, F)
+        acc2 = np.zeros(TILE * TILE, F)
+        lastf = np.full(TILE * TILE, -1.0, F)  # list position (from start) of the last contributor
+        wrow = np.zeros(TILE, F)
         n_done = 0
-        for k in range(offsets[t], offsets[t + 1]):
+        for k in range(start, offsets[t + 1]):
             if n_done >= n_px:
                 break
             g = ids[k]
-            mx, my, la, lb, ya, yb, hca, cb, cc, op, kf, s_max = _load_lanes(
+            mx, my, la, lb, ya, yb, hca, cb, cc, op, _, s_max = _load_lanes(
                 means2d, conics, opacities, radii, g, k, px0, py0, pw, ph)
             if la > lb or ya > yb:
                 continue
+            mxl, hcaf, cbf, opf, kf = _lane_consts(mx, px0, hca, cb, op, k, start, F)
+            c0 = F(colors[g, 0])
+            c1 = F(colors[g, 1 % D])
+            c2 = F(colors[g, 2 % D])
             wsum = 0.0
             nh = 0.0
             for py in range(ya, yb + 1):
-                dy, hy, bdy, base = _lane_row(py, py0, my, cb, cc)
+                dy, _, hy, bdy, base = _lane_row(py, py0, my, cb, cc, F)
                 if not _row_reached(mx, dy, hca, cb, cc, s_max, la, lb, px0):
                     continue
-                nd = 0.0
+                nd = F(0.0)
+                ws = F(0.0)
+                nhr = F(0.0)
                 for lx in range(TILE):
                     li = _lane(base + lx)
-                    dx = mx - (px0 + lx + 0.5)
-                    sigma = hca * dx * dx + bdy * dx + hy
-                    alpha = min(ALPHA_MAX, op * _exp(sigma))
+                    dx = mxl - lanes[_lane(lx)]
+                    sigma = hcaf * dx * dx + bdy * dx + hy
+                    alpha = min(a_max, opf * _exp(sigma, F))
                     T = Tl[li]
-                    ok = _row_mask(lx, la, lb, sigma, alpha) * live[li]
-                    nT = T * (1.0 - alpha)
-                    upd = ok * (1.0 if nT > T_MIN else 0.0)
+                    ok = _row_mask(lx, la, lb, sigma, alpha, F) * live[li]
+                    nT = T * (one - alpha)
+                    upd = ok * _step(nT > t_min, F)
                     w = alpha * T * upd
-                    wrow[_lane(lx)] = w
                     Tl[li] = T + (nT - T) * upd
                     live[li] = live[li] - (ok - upd)  # saturates here: this splat and all behind it are skipped
                     lastf[li] = lastf[li] + (kf - lastf[li]) * upd
-                    wsum += w
-                    nh += upd
                     nd += ok - upd
+                    if rgb:  # loop invariant: the compiler makes one loop per case
+                        acc0[li] += c0 * w
+                        acc1[li] += c1 * w
+                        acc2[li] += c2 * w
+                    else:
+                        wrow[_lane(lx)] = w
+                    if want_stats:
+                        ws += w
+                        nhr += upd
                 n_done += int(nd)
-                for d in range(D):
-                    c = np.float64(colors[g, d])
-                    for lx in range(TILE):
-                        acc[d, _lane(base + lx)] += c * wrow[_lane(lx)]
+                wsum += ws
+                nh += nhr
+                if not rgb:
+                    for d in range(D):
+                        c = F(colors[g, d])
+                        for lx in range(TILE):
+                            acc[d, _lane(base + lx)] += c * wrow[_lane(lx)]
             if want_stats:
                 isect_w[k] = wsum
                 isect_hits[k] = int(nh)
+        if rgb:
+            acc[0] = acc0
+            acc[1] = acc1
+            acc[2] = acc2
         for ly in range(ph):
             for lx in range(pw):
                 li = ly * TILE + lx
                 T_out[cam, py0 + ly, px0 + lx] = Tl[li]
-                last_out[cam, py0 + ly, px0 + lx] = np.int64(lastf[li])
+                lk = np.int64(lastf[li])
+                last_out[cam, py0 + ly, px0 + lx] = lk + start if lk >= 0 else -1
                 for d in range(D):
                     out[cam, py0 + ly, px0 + lx, d] = acc[d, li] + Tl[li] * backgrounds[cam, d]
     return out, T_out, last_out, isect_w, isect_hits
@@ -582,93 +634,105 @@ def rasterize_bwd(offsets, ids, means2d, conics, colors, opacities, radii, backg
 
 @nb.njit(parallel=True, cache=True, fastmath=True)
 def rasterize_bwd_rgb(offsets, ids, means2d, conics, colors, opacities, radii, backgrounds, T_final, last_ids,
-                      v_out, v_alpha_out, n_cams, width, height, tiles_x, tiles_y, n_par, removal=None):
-    """:func:`rasterize_bwd` for three colour channels (every training step, and pruning's removal cost), vectorised.
+                      v_out, v_alpha_out, n_cams, width, height, tiles_x, tiles_y, n_par, F, removal=None):
+    """:func:`rasterize_bwd` for three colour channels (every training step, and pruning's removal cost), vectorised,
+    with per-pixel state and the per-intersection sums in the float type ``F`` (as :func:`rasterize_fwd`).
 
     The same adjoint, walked over all 16 pixels of a tile row at once and branch free (a pixel the splat did not
     reach gets mask 0, so its transmittance, colour sums and the splat's gradient sums do not change). With the
     channels unrolled, one loop per row writes only four arrays, which is what lets the compiler vectorise it
-    (the general kernel's per-channel inner loop, or more written arrays, kept it scalar). Returns [G, 11]: the
-    columns of :func:`rasterize_bwd` with D = 3; with ``removal`` (any non-None value, e.g. True) [G, 13] with its
-    two removal columns. ``removal`` is a compile-time switch: numba compiles the None and the bool case
-    separately and drops the untaken branch, so the training kernel carries no removal arithmetic and no branch.
+    (the general kernel's per-channel inner loop, or more written arrays, kept it scalar). Returns [G, 11]
+    (float64 sums): the columns of :func:`rasterize_bwd` with D = 3; with ``removal`` (any non-None value, e.g.
+    True) [G, 13] with its two removal columns. ``removal`` is a compile-time switch: numba compiles the None and
+    the bool case separately and drops the untaken branch, so the training kernel carries no removal arithmetic
+    and no branch.
     """
     G = means2d.shape[0]
     n_tiles = tiles_x * tiles_y
     M = ids.shape[0]
     NG = 11 if removal is None else 13
     P = TILE * TILE
-    per_isect = np.zeros((M, NG), np.float64)
+    per_isect = np.zeros((M, NG), F)
     n_tot, per = _tile_split(n_cams * n_tiles, n_par)
+    zero = F(0.0)
+    one = F(1.0)
+    half = F(0.5)
+    two = F(2.0)
+    a_max = F(ALPHA_MAX)
     for i in nb.prange(per * n_par):
         t = _bwd_tile(i, per, n_par, n_tot, offsets)
         if t < 0:
             continue
         start = offsets[t]
         cam, px0, py0, pw, ph = _tile_origin(t, n_tiles, tiles_x, width, height)
-        Tl = np.ones(P, np.float64)
-        Tf = np.ones(P, np.float64)
-        va = np.zeros(P, np.float64)  # dL/dA - bg . dL/dC
-        lastf = np.full(P, -1.0, np.float64)
-        b0 = np.zeros(P, np.float64)  # colour of everything behind, per channel
-        b1 = np.zeros(P, np.float64)
-        b2 = np.zeros(P, np.float64)
-        o0 = np.zeros(P, np.float64)  # dL/dC per channel
-        o1 = np.zeros(P, np.float64)
-        o2 = np.zeros(P, np.float64)
+        lanes = np.arange(TILE).astype(F)
+        Tl = np.ones(P, F)
+        Tf = np.ones(P, F)
+        va = np.zeros(P, F)  # dL/dA - bg . dL/dC
+        lastf = np.full(P, -1.0, F)  # list position (from start) of the last contributor
+        b0 = np.zeros(P, F)  # colour of everything behind, per channel
+        b1 = np.zeros(P, F)
+        b2 = np.zeros(P, F)
+        o0 = np.zeros(P, F)  # dL/dC per channel
+        o1 = np.zeros(P, F)
+        o2 = np.zeros(P, F)
+        bg0 = F(backgrounds[cam, 0])
+        bg1 = F(backgrounds[cam, 1])
+        bg2 = F(backgrounds[cam, 2])
         max_last = -1
         for ly in range(ph):
             for lx in range(pw):
                 li = ly * TILE + lx
                 py = py0 + ly
                 px = px0 + lx
-                Tl[li] = T_final[cam, py, px]
+                Tl[li] = F(T_final[cam, py, px])
                 Tf[li] = Tl[li]
                 lk = last_ids[cam, py, px]
-                lastf[li] = np.float64(lk)
+                lastf[li] = F(lk - start) if lk >= 0 else F(-1.0)
                 if lk > max_last:
                     max_last = lk
-                o0[li] = v_out[cam, py, px, 0]
-                o1[li] = v_out[cam, py, px, 1]
-                o2[li] = v_out[cam, py, px, 2]
-                va[li] = v_alpha_out[cam, py, px] - (backgrounds[cam, 0] * o0[li] + backgrounds[cam, 1] * o1[li]
-                                                     + backgrounds[cam, 2] * o2[li])
+                o0[li] = F(v_out[cam, py, px, 0])
+                o1[li] = F(v_out[cam, py, px, 1])
+                o2[li] = F(v_out[cam, py, px, 2])
+                va[li] = F(v_alpha_out[cam, py, px]) - (bg0 * o0[li] + bg1 * o1[li] + bg2 * o2[li])
         for k in range(max_last, start - 1, -1):
             g = ids[k]
-            mx, my, la, lb, ya, yb, hca, cb, cc, op, kf, s_max = _load_lanes(
+            mx, my, la, lb, ya, yb, hca, cb, cc, op, _, s_max = _load_lanes(
                 means2d, conics, opacities, radii, g, k, px0, py0, pw, ph)
             if la > lb or ya > yb:
                 continue
-            c0 = np.float64(colors[g, 0])
-            c1 = np.float64(colors[g, 1])
-            c2 = np.float64(colors[g, 2])
-            v_mx = 0.0
-            v_my = 0.0
-            v_ca = 0.0
-            v_cb = 0.0
-            v_cc = 0.0
-            v_op = 0.0
-            abs_x = 0.0
-            abs_y = 0.0
-            vc0 = 0.0
-            vc1 = 0.0
-            vc2 = 0.0
-            rem_lin = 0.0
-            rem_sq = 0.0
+            mxl, hcaf, cbf, opf, kf = _lane_consts(mx, px0, hca, cb, op, k, start, F)
+            ccf = F(cc)
+            c0 = F(colors[g, 0])
+            c1 = F(colors[g, 1])
+            c2 = F(colors[g, 2])
+            v_mx = zero
+            v_my = zero
+            v_ca = zero
+            v_cb = zero
+            v_cc = zero
+            v_op = zero
+            abs_x = zero
+            abs_y = zero
+            vc0 = zero
+            vc1 = zero
+            vc2 = zero
+            rem_lin = zero
+            rem_sq = zero
             for py in range(ya, yb + 1):
-                dy, hy, bdy, base = _lane_row(py, py0, my, cb, cc)
-                if not _row_reached(mx, dy, hca, cb, cc, s_max, la, lb, px0):
+                dy64, dy, hy, bdy, base = _lane_row(py, py0, my, cb, cc, F)
+                if not _row_reached(mx, dy64, hca, cb, cc, s_max, la, lb, px0):
                     continue
                 for lx in range(TILE):
                     li = _lane(base + lx)
-                    dx = mx - (px0 + lx + 0.5)
-                    sigma = hca * dx * dx + bdy * dx + hy
-                    vis = _exp(sigma)
-                    a0 = op * vis
-                    alpha = min(ALPHA_MAX, a0)
-                    ok = _row_mask(lx, la, lb, sigma, alpha) * (1.0 if kf <= lastf[li] else 0.0)
+                    dx = mxl - lanes[_lane(lx)]
+                    sigma = hcaf * dx * dx + bdy * dx + hy
+                    vis = _exp(sigma, F)
+                    a0 = opf * vis
+                    alpha = min(a_max, a0)
+                    ok = _row_mask(lx, la, lb, sigma, alpha, F) * _step(kf <= lastf[li], F)
                     am = alpha * ok
-                    ra = 1.0 / (1.0 - am)
+                    ra = one / (one - am)
                     T = Tl[li] * ra
                     Tl[li] = T
                     fac = am * T
@@ -685,25 +749,25 @@ def rasterize_bwd_rgb(offsets, ids, means2d, conics, colors, opacities, radii, b
                                + Tf[li] * ra * va[li]) * ok
                     if removal is not None:  # the image change R = a (c T - (S + T_final bg) / (1 - a))
                         tf = Tf[li]
-                        r0 = c0 * T - (q0 + tf * backgrounds[cam, 0]) * ra
-                        r1 = c1 * T - (q1 + tf * backgrounds[cam, 1]) * ra
-                        r2 = c2 * T - (q2 + tf * backgrounds[cam, 2]) * ra
+                        r0 = c0 * T - (q0 + tf * bg0) * ra
+                        r1 = c1 * T - (q1 + tf * bg1) * ra
+                        r2 = c2 * T - (q2 + tf * bg2) * ra
                         rem_sq += am * am * (r0 * r0 + r1 * r1 + r2 * r2)
                         rem_lin += am * v_alpha
                     b0[li] = q0 + c0 * fac
                     b1[li] = q1 + c1 * fac
                     b2[li] = q2 + c2 * fac
-                    v_sigma = -a0 * v_alpha * (1.0 if a0 <= ALPHA_MAX else 0.0)  # no gradient where clamped
-                    gx = v_sigma * (2.0 * hca * dx + cb * dy)  # 2 hca = ca exactly
-                    gy = v_sigma * (cb * dx + cc * dy)
-                    v_ca += 0.5 * v_sigma * dx * dx
+                    v_sigma = -a0 * v_alpha * _step(a0 <= a_max, F)  # no gradient where clamped
+                    gx = v_sigma * (two * hcaf * dx + cbf * dy)  # 2 hca = ca exactly
+                    gy = v_sigma * (cbf * dx + ccf * dy)
+                    v_ca += half * v_sigma * dx * dx
                     v_cb += v_sigma * dx * dy
-                    v_cc += 0.5 * v_sigma * dy * dy
+                    v_cc += half * v_sigma * dy * dy
                     v_mx += gx
                     v_my += gy
                     abs_x += abs(gx)
                     abs_y += abs(gy)
-                    v_op += vis * v_alpha * (1.0 if a0 <= ALPHA_MAX else 0.0)
+                    v_op += vis * v_alpha * _step(a0 <= a_max, F)
             _store_geometry(per_isect, k, v_mx, v_my, v_ca, v_cb, v_cc, v_op, abs_x, abs_y)
             per_isect[k, 8] = vc0
             per_isect[k, 9] = vc1

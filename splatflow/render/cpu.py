@@ -30,9 +30,7 @@ def _binned(means2d, conics, colors, opacities, radii, depths, backgrounds, tile
     """The kernels' inputs: depth-sorted tile lists ``(offsets, ids)`` and flat arrays of the [C, N, ...] tensors,
     in the order the compositing kernels take them.
 
-    The arrays keep the tensors' dtype: the kernels read every value into float64 and keep all sums in float64, so
-    a float32 array gives the same result as its float64 copy would, without the copy (numba compiles one
-    specialisation per dtype; training only ever uses float32).
+    The arrays keep the tensors' dtype, and the compositing works in it (:func:`_work_type`).
     """
     C, N, D = colors.shape
     G = C * N
@@ -50,11 +48,18 @@ def _binned(means2d, conics, colors, opacities, radii, depths, backgrounds, tile
     return offsets, ids, m2, con, col, op, rad, bg
 
 
-def _backward(D: int, *args, removal: bool = False):
+def _work_type(dtype) -> type:
+    """The float type the compositing kernels keep per-pixel state and sums in: that of the inputs. float32 (every
+    training, evaluation and pruning render: the model is float32) composites in float32 as gsplat does, 16 pixels
+    per AVX-512 instruction; float64 inputs (gradcheck, the exactness tests) composite in float64."""
+    return np.float32 if dtype in (torch.float32, np.float32) else np.float64
+
+
+def _backward(D: int, *args, F: type, removal: bool = False):
     """The compositing backward for D channels: the vectorised RGB kernel for three (every training step, and with
-    ``removal`` pruning's removal columns), the general kernel otherwise."""
+    ``removal`` pruning's removal columns) in the float type F, the general float64 kernel otherwise."""
     if D == 3:
-        return K.rasterize_bwd_rgb(*args, True if removal else None)
+        return K.rasterize_bwd_rgb(*args, F, True if removal else None)
     return K.rasterize_bwd(*args, removal)
 
 
@@ -70,7 +75,7 @@ class _RasterizeTiles(torch.autograd.Function):
                                                           backgrounds, tiles_x, tiles_y)
         out, T_final, last, isect_w, isect_hits = K.rasterize_fwd(
             offsets, ids, m2, con, col, op, rad, bg, C, width, height, tiles_x, tiles_y, bool(want_stats),
-            numba.get_num_threads(),
+            numba.get_num_threads(), _work_type(dt),
         )
         img = torch.from_numpy(out).to(dt)  # [C, H, W, D] (already dt: no copy)
         alpha = (1.0 - torch.from_numpy(T_final)).to(dt)[..., None]  # [C, H, W, 1]
@@ -103,7 +108,7 @@ class _RasterizeTiles(torch.autograd.Function):
         grads = _backward(
             D, offsets, ids, m2, con, col, op, rad, bg, T_final, last,
             _np(v_img, dt), _np(v_alpha[..., 0], dt), C, width, height, tiles_x, tiles_y,
-            numba.get_num_threads(),
+            numba.get_num_threads(), F=_work_type(dt),
         )
         g = torch.from_numpy(grads).to(dt).reshape(C, N, 8 + D)  # [C, N, 8 + D]
         v_means2d = g[..., 0:2].contiguous()
@@ -247,11 +252,12 @@ def removal_loss_cpu(means2d: Tensor, conics: Tensor, colors: Tensor, opacities:
     offsets, ids, m2, con, col, op, rad, bg = _binned(means2d, conics, colors, opacities, radii, depths,
                                                       backgrounds, tiles_x, tiles_y)
     n_par = numba.get_num_threads()
+    F = _work_type(colors.dtype)
     out, T_final, last, _, _ = K.rasterize_fwd(offsets, ids, m2, con, col, op, rad, bg, C, width, height, tiles_x,
-                                               tiles_y, False, n_par)
+                                               tiles_y, False, n_par, F)
     resid = np.zeros_like(out) if target is None else out - _np(target, torch.float64).reshape(out.shape)
     rows = _backward(D, offsets, ids, m2, con, col, op, rad, bg, T_final, last, resid,
                      np.zeros(T_final.shape, np.float64), C, width, height, tiles_x, tiles_y, n_par,
-                     removal=True)  # [C * N, 10 + D]
+                     F=F, removal=True)  # [C * N, 10 + D]
     increase = rows[:, 9 + D] - 2.0 * rows[:, 8 + D]
     return torch.from_numpy(out).to(colors.dtype), torch.from_numpy(increase).reshape(C, N)
