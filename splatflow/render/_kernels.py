@@ -676,6 +676,9 @@ def rasterize_bwd_rgb(offsets, ids, means2d, conics, colors, opacities, radii, b
         o0 = np.zeros(P, F)  # dL/dC per channel
         o1 = np.zeros(P, F)
         o2 = np.zeros(P, F)
+        # the splat's gradient sums per lane (columns of rasterize_bwd's row x 16 lanes), summed over its rows and
+        # reduced across lanes once per splat: a scalar sum per column would be reduced across lanes every row
+        A = np.zeros((11, TILE), F)
         bg0 = F(backgrounds[cam, 0])
         bg1 = F(backgrounds[cam, 1])
         bg2 = F(backgrounds[cam, 2])
@@ -706,17 +709,7 @@ def rasterize_bwd_rgb(offsets, ids, means2d, conics, colors, opacities, radii, b
             c0 = F(colors[g, 0])
             c1 = F(colors[g, 1])
             c2 = F(colors[g, 2])
-            v_mx = zero
-            v_my = zero
-            v_ca = zero
-            v_cb = zero
-            v_cc = zero
-            v_op = zero
-            abs_x = zero
-            abs_y = zero
-            vc0 = zero
-            vc1 = zero
-            vc2 = zero
+            A[:, :] = zero
             rem_lin = zero
             rem_sq = zero
             for py in range(ya, yb + 1):
@@ -725,7 +718,8 @@ def rasterize_bwd_rgb(offsets, ids, means2d, conics, colors, opacities, radii, b
                     continue
                 for lx in range(TILE):
                     li = _lane(base + lx)
-                    dx = mxl - lanes[_lane(lx)]
+                    lq = _lane(lx)
+                    dx = mxl - lanes[lq]
                     sigma = hcaf * dx * dx + bdy * dx + hy
                     vis = _exp(sigma, F)
                     a0 = opf * vis
@@ -742,9 +736,9 @@ def rasterize_bwd_rgb(offsets, ids, means2d, conics, colors, opacities, radii, b
                     q0 = b0[li]
                     q1 = b1[li]
                     q2 = b2[li]
-                    vc0 += fac * e0
-                    vc1 += fac * e1
-                    vc2 += fac * e2
+                    A[8, lq] += fac * e0
+                    A[9, lq] += fac * e1
+                    A[10, lq] += fac * e2
                     v_alpha = ((c0 * T - q0 * ra) * e0 + (c1 * T - q1 * ra) * e1 + (c2 * T - q2 * ra) * e2
                                + Tf[li] * ra * va[li]) * ok
                     if removal is not None:  # the image change R = a (c T - (S + T_final bg) / (1 - a))
@@ -760,18 +754,19 @@ def rasterize_bwd_rgb(offsets, ids, means2d, conics, colors, opacities, radii, b
                     v_sigma = -a0 * v_alpha * _step(a0 <= a_max, F)  # no gradient where clamped
                     gx = v_sigma * (two * hcaf * dx + cbf * dy)  # 2 hca = ca exactly
                     gy = v_sigma * (cbf * dx + ccf * dy)
-                    v_ca += half * v_sigma * dx * dx
-                    v_cb += v_sigma * dx * dy
-                    v_cc += half * v_sigma * dy * dy
-                    v_mx += gx
-                    v_my += gy
-                    abs_x += abs(gx)
-                    abs_y += abs(gy)
-                    v_op += vis * v_alpha * _step(a0 <= a_max, F)
-            _store_geometry(per_isect, k, v_mx, v_my, v_ca, v_cb, v_cc, v_op, abs_x, abs_y)
-            per_isect[k, 8] = vc0
-            per_isect[k, 9] = vc1
-            per_isect[k, 10] = vc2
+                    A[2, lq] += half * v_sigma * dx * dx
+                    A[3, lq] += v_sigma * dx * dy
+                    A[4, lq] += half * v_sigma * dy * dy
+                    A[0, lq] += gx
+                    A[1, lq] += gy
+                    A[6, lq] += abs(gx)
+                    A[7, lq] += abs(gy)
+                    A[5, lq] += vis * v_alpha * _step(a0 <= a_max, F)
+            for j in range(11):
+                sj = zero
+                for lx in range(TILE):
+                    sj += A[j, lx]
+                per_isect[k, j] = sj
             if removal is not None:
                 per_isect[k, 11] = rem_lin
                 per_isect[k, 12] = rem_sq
