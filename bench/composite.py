@@ -17,7 +17,6 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -32,18 +31,12 @@ import torch  # noqa: E402
 
 def binned_view(work: Path, ckpt: Path, view: int, factor: float):
     """The binned tiles of one training view of the checkpoint's model (the kernels' inputs) and its size."""
-    from splatflow.config import load_params
-    from splatflow.model import Checkpoint, Splats
+    from splatflow.model import Splats
     from splatflow.render import cpu
     from splatflow.render.projection import tile_grid
-    from splatflow.scene.dataset import load_scene
-    from splatflow.train import Trainer
+    from train_step import trainer_from_checkpoint  # bench/ is this script's folder, first on sys.path
 
-    cfg = load_params(ROOT / "params.yaml").train
-    cfg = replace(cfg, progress=False, early_stop=replace(cfg.early_stop, enabled=False),
-                  prune_during=replace(cfg.prune_during, enabled=False))
-    tr = Trainer(load_scene(work / "undistorted", work / "split.json"), cfg)
-    tr.load_state_dict(Checkpoint.load(ckpt))
+    tr = trainer_from_checkpoint(work, ckpt)
     w, h = tr.cache.shape(view, factor)
     _, K = tr.cache.get(view, factor)
     a = Splats.of(tr.params).activated(3, sh_pair=True)

@@ -265,12 +265,10 @@ def time_steps(tr, steps: int, profile: bool = False) -> dict:
                        "step": round((flt1 - flt0) / steps)}}
 
 
-def checkpoint_case(work: Path, ckpt: Path, step: int | None, steps: int, profile: bool = False,
-                    sparse: bool = True) -> dict:
-    """Steps of a real run: ``bench/train_demo.py``'s scene in ``work`` and a checkpoint it wrote, continued at
-    ``step`` (default: the checkpoint's) with ``params.yaml``'s train section (the schedules of that step:
-    resolution, training window, blur, SH degree; densification statistics accumulate, no refine event is timed),
-    with the sparse step (``train.sparse_step``) on or off."""
+def trainer_from_checkpoint(work: Path, ckpt: Path, **train_overrides):
+    """A CPU ``Trainer`` on ``bench/train_demo.py``'s scene in ``work``, in the state of its checkpoint ``ckpt``,
+    with ``params.yaml``'s train section (no progress bar, no resume, no plateau stop, no pruning during training)
+    and ``train_overrides``."""
     from splatflow.config import load_params
     from splatflow.model import Checkpoint
     from splatflow.scene.dataset import load_scene
@@ -279,17 +277,26 @@ def checkpoint_case(work: Path, ckpt: Path, step: int | None, steps: int, profil
     cfg = load_params(ROOT / "params.yaml").train
     cfg = replace(cfg, progress=False, backend="cpu", resume=False,
                   early_stop=replace(cfg.early_stop, enabled=False),
-                  prune_during=replace(cfg.prune_during, enabled=False), sparse_step=sparse)
-    scene = load_scene(work / "undistorted", work / "split.json")
-    tr = Trainer(scene, cfg)
+                  prune_during=replace(cfg.prune_during, enabled=False), **train_overrides)
+    tr = Trainer(load_scene(work / "undistorted", work / "split.json"), cfg)
     tr.load_state_dict(Checkpoint.load(ckpt))
+    return tr
+
+
+def checkpoint_case(work: Path, ckpt: Path, step: int | None, steps: int, profile: bool = False,
+                    sparse: bool = True) -> dict:
+    """Steps of a real run: ``bench/train_demo.py``'s scene in ``work`` and a checkpoint it wrote, continued at
+    ``step`` (default: the checkpoint's) with ``params.yaml``'s train section (the schedules of that step:
+    resolution, training window, blur, SH degree; densification statistics accumulate, no refine event is timed),
+    with the sparse step (``train.sparse_step``) on or off."""
+    tr = trainer_from_checkpoint(work, ckpt, sparse_step=sparse)
     tr._grad_checked = True
     if step is not None:
         tr.step = step
     r = time_steps(tr, steps, profile)
     w, h = tr.cache.shape(0, tr.sched.resolution.factor(tr.step))
     return dict(r, name=f"{ckpt.name}@{tr.step}{'' if sparse else ' dense'}", sparse=sparse, gaussians=tr.params["means"].shape[0], width=w, height=h,
-                blur_sigma=tr.sched.blur.sigma(tr.step), patch_max_pixels=cfg.patch_max_pixels)
+                blur_sigma=tr.sched.blur.sigma(tr.step), patch_max_pixels=tr.cfg.patch_max_pixels)
 
 
 def _shares(seconds: dict, total_s: float, steps: int) -> dict:
