@@ -308,6 +308,34 @@ def test_blurred_l1_ssim_equals_blur_then_l1_ssim(shape, sigma):
     assert all(t.device.type == "meta" for t in l1_ssim(m, m, blur_sigma=sigma))
 
 
+def test_blurred_l1_ssim_reads_and_returns_the_render_layout():
+    """The training step hands the loss ``[H, W, 3]`` render and target seen as ``[1, 3, H, W]``: the fused CPU
+    path reads them where they lie and returns the render's gradient in that layout (no copy of either image,
+    nor of the gradient for the rasterizer's backward), with the same numbers as contiguous planes."""
+    from splatflow.render.filters import BlurredL1SSIMCPU
+    from splatflow.render.ssim import l1_ssim
+
+    g = torch.Generator().manual_seed(21)
+    rgb, tgt = torch.rand(29, 41, 3, generator=g), torch.rand(29, 41, 3, generator=g)
+    for sigma in (2.4, 0.7):
+        r1, r2 = rgb.clone().requires_grad_(), rgb.clone().requires_grad_()
+        pred = r1.permute(2, 0, 1)[None]
+        seen = []
+        pred.register_hook(seen.append)
+        l1a, sa = l1_ssim(pred, tgt.permute(2, 0, 1)[None], blur_sigma=sigma)
+        l1b, sb = l1_ssim(r2.permute(2, 0, 1).contiguous()[None], tgt.permute(2, 0, 1).contiguous()[None],
+                          blur_sigma=sigma)
+        assert torch.equal(l1a, l1b) and torch.equal(sa, sb)
+        (0.8 * l1a + 0.2 * (1 - sa)).backward()
+        (0.8 * l1b + 0.2 * (1 - sb)).backward()
+        assert torch.equal(r1.grad, r2.grad)
+        assert seen[0].permute(0, 2, 3, 1).is_contiguous() and not seen[0].is_contiguous()
+    x = torch.rand(11, 13, 2, generator=g, dtype=torch.float64, requires_grad=True)
+    y = torch.rand(11, 13, 2, generator=g, dtype=torch.float64)
+    assert torch.autograd.gradcheck(
+        lambda t: BlurredL1SSIMCPU.apply(t.permute(2, 0, 1)[None], y.permute(2, 0, 1)[None], 1.3, 4, True), (x,))
+
+
 def test_blurred_l1_ssim_gradcheck_float64():
     from splatflow.render.filters import BlurredL1SSIMCPU
 

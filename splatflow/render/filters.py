@@ -86,6 +86,20 @@ def _planes(t: Tensor) -> np.ndarray:
     return t.detach().contiguous().reshape(B * C, H, W).numpy()
 
 
+def _plane_view(t: Tensor) -> np.ndarray:
+    """``[1, C, H, W]`` tensor -> ``[C, H, W]`` numpy view in whatever layout it has (the training render and
+    target are ``[H, W, 3]`` images seen through ``permute``), for kernels that read each row through a copy of
+    their own (:func:`._filter_kernels.separable_filter`); other batch sizes go through :func:`_planes`."""
+    if t.shape[0] != 1 or min(t.stride()) < 0:
+        return _planes(t)
+    return t.detach()[0].numpy()
+
+
+def _is_hwc(t: Tensor) -> bool:
+    """Whether a ``[1, C, H, W]`` tensor is a view of a contiguous ``[H, W, C]`` image."""
+    return t.shape[0] == 1 and t[0].permute(1, 2, 0).is_contiguous() and not t.is_contiguous()
+
+
 def _dtype_name(t: Tensor) -> str:
     if t.dtype not in (torch.float32, torch.float64):
         raise TypeError(f"CPU filters take float32 or float64 images, got {t.dtype}")
@@ -98,24 +112,29 @@ def _ssim_kernel(xn: np.ndarray, yn: np.ndarray, want_x: bool, want_y: bool):
 
     H = xn.shape[1]
     dt = str(xn.dtype)
-    bh, sh, _, _ = _bands(H, WINDOW // 2, SIGMA, "zero", False, dt)
-    return K.ssim_fused(xn, yn, _taps(WINDOW // 2, SIGMA, dt), bh, sh, want_x, want_y, chunk_rows(H, xn.shape[0]))
+    bh, sh, lo, hi = _bands(H, WINDOW // 2, SIGMA, "zero", False, dt)
+    return K.ssim_fused(xn, yn, _taps(WINDOW // 2, SIGMA, dt), bh, sh, lo, hi, want_x, want_y,
+                        chunk_rows(H, xn.shape[0]))
 
 
 def _blur_kernel(a: np.ndarray, b: np.ndarray | None, sigma_px: float, radius: int, transpose: bool,
-                 lx: np.ndarray | None = None, ly: np.ndarray | None = None, ga: float = 0.0, gb: float = 0.0):
+                 lx: np.ndarray | None = None, ly: np.ndarray | None = None, ga: float = 0.0, gb: float = 0.0,
+                 hwc_out: bool = False):
     """:func:`._filter_kernels.separable_filter` with the training blur (or its transpose) on ``[P, H, W]``
-    planes ``a`` and ``b`` (``None``: none); ``lx, ly, ga, gb``: the loss gradient formed on the way in."""
+    planes ``a`` and ``b`` (``None``: none; either may be a strided view); ``lx, ly, ga, gb``: the loss gradient
+    formed on the way in; ``hwc_out``: the blurred ``a`` laid out ``[H, W, P]``."""
     from . import _filter_kernels as K
 
     P, H, W = a.shape
     dt = str(a.dtype)
     empty = np.empty((0, H, W), dtype=dt)
     b = empty if b is None else b
-    bh, sh, _, _ = _bands(H, radius, float(sigma_px), "reflect", transpose, dt)
+    bh, sh, lo, hi = _bands(H, radius, float(sigma_px), "reflect", transpose, dt)
     return K.separable_filter(a, b, _taps(radius, float(sigma_px), dt, transpose),
-                              K.REFLECT_T if transpose else K.REFLECT, bh, sh, chunk_rows(H, P + b.shape[0]),
-                              empty if lx is None else lx, empty if ly is None else ly, float(ga), float(gb))
+                              K.REFLECT_T if transpose else K.REFLECT, bh, sh, lo, hi,
+                              chunk_rows(H, P + b.shape[0]),
+                              empty if lx is None else lx, empty if ly is None else ly, float(ga), float(gb),
+                              bool(hwc_out))
 
 
 def _means(row_sums: np.ndarray, l1_rows: np.ndarray, x: Tensor) -> tuple[Tensor, Tensor]:
@@ -224,11 +243,13 @@ class BlurredL1SSIMCPU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, y: Tensor, sigma_px: float, radius: int, with_grad: bool = True):
         _dtype_name(x)
-        xb, yb = _blur_kernel(_planes(x), _planes(y), sigma_px, radius, False)
+        # the render and target are read where they lie (the training step's are [H, W, 3] images), and the
+        # gradient goes back in the render's layout: no copy of either image, nor of the gradient, on the way
+        xb, yb = _blur_kernel(_plane_view(x), _plane_view(y), sigma_px, radius, False)
         want = bool(with_grad and ctx.needs_input_grad[0])
         row_sums, l1_rows, gx, _ = _ssim_kernel(xb, yb, want, False)
         ctx.arrays = (xb, yb, gx) if want else None
-        ctx.params = (float(sigma_px), int(radius), x.shape)
+        ctx.params = (float(sigma_px), int(radius), x.shape, _is_hwc(x))
         return _means(row_sums, l1_rows, x)
 
     @staticmethod
@@ -237,10 +258,11 @@ class BlurredL1SSIMCPU(torch.autograd.Function):
         if ctx.arrays is None:
             raise _no_grad_pass("BlurredL1SSIMCPU", "splatflow.render.ssim.l1_ssim")
         xb, yb, gx = ctx.arrays
-        sigma_px, radius, shape = ctx.params
+        sigma_px, radius, shape, hwc = ctx.params
         n = gx.size
-        out, _ = _blur_kernel(gx, None, sigma_px, radius, True, xb, yb, float(g_ssim) / n, float(g_l1) / n)
-        return torch.from_numpy(out).view(shape), None, None, None, None
+        out, _ = _blur_kernel(gx, None, sigma_px, radius, True, xb, yb, float(g_ssim) / n, float(g_l1) / n, hwc)
+        grad = torch.from_numpy(out).permute(2, 0, 1)[None] if hwc else torch.from_numpy(out).view(shape)
+        return grad, None, None, None, None
 
 
 def _blur_is_identity(img: Tensor, sigma_px: float, radius: int) -> bool:
