@@ -309,15 +309,15 @@ def test_blurred_l1_ssim_equals_blur_then_l1_ssim(shape, sigma):
 
 
 def test_blurred_l1_ssim_reads_and_returns_the_render_layout():
-    """The training step hands the loss ``[H, W, 3]`` render and target seen as ``[1, 3, H, W]``: the fused CPU
-    path reads them where they lie and returns the render's gradient in that layout (no copy of either image,
+    """The training step hands the loss ``[H, W, 3]`` render and target seen as ``[1, 3, H, W]``: the CPU paths
+    (with and without the blur) read them where they lie and returns the render's gradient in that layout (no copy of either image,
     nor of the gradient for the rasterizer's backward), with the same numbers as contiguous planes."""
     from splatflow.render.filters import BlurredL1SSIMCPU
     from splatflow.render.ssim import l1_ssim
 
     g = torch.Generator().manual_seed(21)
     rgb, tgt = torch.rand(29, 41, 3, generator=g), torch.rand(29, 41, 3, generator=g)
-    for sigma in (2.4, 0.7):
+    for sigma in (2.4, 0.7, 0.0):  # 0: no blur, the SSIM + L1 Function alone
         r1, r2 = rgb.clone().requires_grad_(), rgb.clone().requires_grad_()
         pred = r1.permute(2, 0, 1)[None]
         seen = []
@@ -334,6 +334,9 @@ def test_blurred_l1_ssim_reads_and_returns_the_render_layout():
     y = torch.rand(11, 13, 2, generator=g, dtype=torch.float64)
     assert torch.autograd.gradcheck(
         lambda t: BlurredL1SSIMCPU.apply(t.permute(2, 0, 1)[None], y.permute(2, 0, 1)[None], 1.3, 4, True), (x,))
+    y.requires_grad_()
+    assert torch.autograd.gradcheck(
+        lambda a, b: SSIMCPU.apply(a.permute(2, 0, 1)[None], b.permute(2, 0, 1)[None], True), (x, y))
 
 
 def test_blurred_l1_ssim_gradcheck_float64():

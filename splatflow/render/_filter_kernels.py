@@ -271,14 +271,16 @@ def _row_filter(src, dst, taps, mode, pad, tmp):
 # -- SSIM -------------------------------------------------------------------------------------------------------
 
 @nb.njit(parallel=True, cache=True, fastmath=True)
-def ssim_fused(x, y, taps, bh, sh, lo, hi, want_x, want_y, chunk):
+def ssim_fused(x, y, taps, bh, sh, lo, hi, want_x, want_y, want_sign, chunk):
     """SSIM of two ``[P, H, W]`` stacks, and the gradients of the SUM of its map w.r.t. ``x`` / ``y`` (those
     wanted), with the separable window ``taps`` along the rows (zero padding) x the band ``(bh, sh)`` down the
     columns, whose rows ``lo <= i < hi`` are the plain stencil.
 
-    Returns ``(row_sums [P * H] float64, l1_rows [P * H] float64, gx, gy)``: per-row sums of the SSIM map and of
-    ``|x - y|`` (the L1 term of the training loss, for free while the rows are in cache), and the gradients
-    (empty when not wanted). With ``S`` the map and ``G`` the window filter, the moments are ``G x``, ``G y``,
+    Returns ``(row_sums [P * H] float64, l1_rows [P * H] float64, gx, gy, sgn)``: per-row sums of the SSIM map
+    and of ``|x - y|`` (the L1 term of the training loss, for free while the rows are in cache), the gradients
+    and, with ``want_sign``, ``sign(x - y)`` as int8 (the L1 term's gradient for :func:`add_sign_grad` and
+    :func:`separable_filter`, 1 byte a pixel instead of both images read again); each empty when not wanted.
+    ``x`` and ``y`` may be strided views (the ``[C, H, W]`` view of an ``[H, W, C]`` image). With ``S`` the map and ``G`` the window filter, the moments are ``G x``, ``G y``,
     ``G (x^2 + y^2)`` and ``G (x y)``: ``E[x^2]`` and ``E[y^2]`` enter SSIM only through their sum (the sum of
     the variances), so four filtered moments instead of five. ``d sum(S) / dx = G^T dmu_x + 2 x G^T dE +
     y G^T dE[xy]`` with ``dE = dS/dE[x^2 + y^2]`` (symmetrically for y); the zero-padded symmetric window is its
@@ -308,6 +310,7 @@ def ssim_fused(x, y, taps, bh, sh, lo, hi, want_x, want_y, chunk):
     l1_rows = np.zeros(P * H, dtype=np.float64)
     gx = np.empty((P, H, W) if want_x else (0, 0, 0), dtype=x.dtype)
     gy = np.empty((P, H, W) if want_y else (0, 0, 0), dtype=x.dtype)
+    sgn = np.empty((P, H, W) if want_sign else (0, 0, 0), dtype=np.int8)
     for t in nb.prange(P * nc):
         p = t // nc
         r0 = (t - p * nc) * chunk
@@ -341,6 +344,11 @@ def ssim_fused(x, y, taps, bh, sh, lo, hi, want_x, want_y, chunk):
                     s3[j] = u * v
                 if r0 <= nm < r1:
                     l1_rows[p * H + nm] = a
+                    if want_sign:  # sign(x - y) of the chunk's own rows: the L1 term's gradient, 1 byte a pixel
+                        sr = sgn[p, nm]
+                        for j in range(W):
+                            dv = xr[j] - yr[j]
+                            sr[j] = (dv > 0) - (dv < 0)
                 q = (nm - m0) % R
                 for c in range(4):
                     _row_stencil(src[c], hm[c, q], taps, W)
@@ -412,39 +420,52 @@ def ssim_fused(x, y, taps, bh, sh, lo, hi, want_x, want_y, chunk):
                             for j in range(W):
                                 o[j] = a1_[j] + two * yr[j] * a2_[j] + xr[j] * a3[j]
                     ni = f
-    return row_sums, l1_rows, gx, gy
+    return row_sums, l1_rows, gx, gy, sgn
 
 
 @nb.njit(parallel=True, cache=True, fastmath=True)
-def add_sign_grad(g, x, y, a, b):
-    """``a * g + b * sign(x - y)`` (flat arrays; ``g`` empty means 0): the SSIM gradient scaled by its
-    incoming gradient plus the L1 term's, in one pass."""
-    n = x.shape[0]
-    out = np.empty(n, dtype=x.dtype)
-    has_g = g.shape[0] == n
-    one = _typed(1.0, x)
-    for i in nb.prange(n):
-        d = x[i] - y[i]
-        v = b * ((one if d > 0 else 0 * one) - (one if d < 0 else 0 * one))
-        if has_g:
-            v += a * g[i]
-        out[i] = v
-    return out
+def add_sign_grad(g, sgn, a, b, hwc_out):
+    """``a * g + b * sgn`` of ``[P, H, W]`` planes (``g`` with no planes means 0; ``sgn`` the int8 sign map of
+    :func:`ssim_fused`): the SSIM gradient scaled by its incoming gradient plus the L1 term's, in one pass; laid
+    out ``[H, W, P]`` with ``hwc_out`` (the layout of the render whose gradient it is)."""
+    P, H, W = sgn.shape
+    has_g = g.shape[0] == P
+    ta = _typed(a, g)
+    tb = _typed(b, g)
+    out = np.empty((0 if hwc_out else P, H, W), dtype=g.dtype)
+    outh = np.empty((H, W, P) if hwc_out else (0, 0, 0), dtype=g.dtype)
+    for i in nb.prange(H):
+        row = np.empty(W if hwc_out else 0, dtype=g.dtype)
+        for p in range(P):
+            o = row if hwc_out else out[p, i]
+            sr = sgn[p, i]
+            if has_g:
+                gr = g[p, i]
+                for j in range(W):
+                    o[j] = ta * gr[j] + tb * sr[j]
+            else:
+                for j in range(W):
+                    o[j] = tb * sr[j]
+            if hwc_out:
+                oh = outh[i]
+                for j in range(W):
+                    oh[j, p] = row[j]
+    return outh if hwc_out else out
 
 
 # -- the training blur ------------------------------------------------------------------------------------------
 
 @nb.njit(parallel=True, cache=True, fastmath=True)
-def separable_filter(src, src2, taps, mode, bh, sh, lo, hi, chunk, lx, ly, a, b, hwc_out=False):
+def separable_filter(src, src2, taps, mode, bh, sh, lo, hi, chunk, sgn, a, b, hwc_out=False):
     """``out[p] = Mh @ src[p] @ Mw^T`` for every plane of ``src [P, H, W]`` and of ``src2 [P2, H, W]`` (may
     have no planes): the row filter ``taps`` with padding ``mode`` (``REFLECT``, or ``REFLECT_T`` with the taps
     reversed for the transpose), then the band ``(bh, sh)`` down each column (its rows ``lo <= i < hi`` the plain
     stencil, taken four at a time by :func:`_col_stencil4`). With the transposed band and
     ``REFLECT_T`` this is the backward of the same filter (the two axes commute). Returns ``(out, out2)``.
 
-    When ``lx`` has planes (``lx``, ``ly`` shaped as ``src``), ``src`` stands for ``a * src + b * sign(lx - ly)``,
-    formed row by row as it is read: the gradient of ``a * sum(SSIM map) + b * sum|lx - ly|`` of the blurred
-    images (``src`` from :func:`ssim_fused`) on its way back through the blur, without that image going through
+    When ``sgn`` has planes (int8, shaped as ``src``), ``src`` stands for ``a * src + b * sgn``, formed row by
+    row as it is read: with ``src`` and ``sgn`` from :func:`ssim_fused`, the gradient of ``a * sum(SSIM map) +
+    b * sum|xb - yb|`` of the blurred images on its way back through the blur, without that image going through
     memory.
 
     ``src`` and ``src2`` may be strided views, e.g. the ``[C, H, W]`` view of an ``[H, W, C]`` image: a row is
@@ -462,10 +483,8 @@ def separable_filter(src, src2, taps, mode, bh, sh, lo, hi, chunk, lx, ly, a, b,
     B = BATCH_ROWS
     R = L + B - 1  # ring rows: the reach of one batch of output rows
     nc = (H + chunk - 1) // chunk
-    combine = lx.shape[0] > 0
-    one = _typed(1.0, src)  # typed constants: the rows stay in the storage type
-    zero = one - one
-    ta = _typed(a, src)
+    combine = sgn.shape[0] > 0
+    ta = _typed(a, src)  # typed: the rows stay in the storage type
     tb = _typed(b, src)
     out = np.empty((0 if hwc_out else P, H, W), dtype=src.dtype)
     outh = np.empty((H, W, P) if hwc_out else (0, 0, 0), dtype=src.dtype)
@@ -488,10 +507,9 @@ def separable_filter(src, src2, taps, mode, bh, sh, lo, hi, chunk, lx, ly, a, b,
             while nm < sh[e - 1] + L:  # the batch's input rows in: filter row nm along x into the ring
                 k = (nm - m0) % R
                 if combine and own:
-                    g, u, v = img[nm], lx[q, nm], ly[q, nm]
+                    g, sr = img[nm], sgn[q, nm]
                     for j in range(W):
-                        d = u[j] - v[j]
-                        row[j] = ta * g[j] + tb * ((one if d > 0 else zero) - (one if d < 0 else zero))
+                        row[j] = ta * g[j] + tb * sr[j]
                     _row_filter(row, ring[k], taps, mode, pad, tmp)
                 else:
                     _row_filter(img[nm], ring[k], taps, mode, pad, tmp)

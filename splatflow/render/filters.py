@@ -106,23 +106,22 @@ def _dtype_name(t: Tensor) -> str:
     return "float32" if t.dtype == torch.float32 else "float64"
 
 
-def _ssim_kernel(xn: np.ndarray, yn: np.ndarray, want_x: bool, want_y: bool):
-    """:func:`._filter_kernels.ssim_fused` on ``[P, H, W]`` planes with the SSIM window."""
+def _ssim_kernel(xn: np.ndarray, yn: np.ndarray, want_x: bool, want_y: bool, want_sign: bool = False):
+    """:func:`._filter_kernels.ssim_fused` on ``[P, H, W]`` planes (any layout) with the SSIM window."""
     from . import _filter_kernels as K
 
     H = xn.shape[1]
     dt = str(xn.dtype)
     bh, sh, lo, hi = _bands(H, WINDOW // 2, SIGMA, "zero", False, dt)
-    return K.ssim_fused(xn, yn, _taps(WINDOW // 2, SIGMA, dt), bh, sh, lo, hi, want_x, want_y,
+    return K.ssim_fused(xn, yn, _taps(WINDOW // 2, SIGMA, dt), bh, sh, lo, hi, want_x, want_y, want_sign,
                         chunk_rows(H, xn.shape[0]))
 
 
 def _blur_kernel(a: np.ndarray, b: np.ndarray | None, sigma_px: float, radius: int, transpose: bool,
-                 lx: np.ndarray | None = None, ly: np.ndarray | None = None, ga: float = 0.0, gb: float = 0.0,
-                 hwc_out: bool = False):
+                 sgn: np.ndarray | None = None, ga: float = 0.0, gb: float = 0.0, hwc_out: bool = False):
     """:func:`._filter_kernels.separable_filter` with the training blur (or its transpose) on ``[P, H, W]``
-    planes ``a`` and ``b`` (``None``: none; either may be a strided view); ``lx, ly, ga, gb``: the loss gradient
-    formed on the way in; ``hwc_out``: the blurred ``a`` laid out ``[H, W, P]``."""
+    planes ``a`` and ``b`` (``None``: none; either may be a strided view); ``sgn, ga, gb``: the loss gradient
+    ``ga * a + gb * sgn`` formed on the way in; ``hwc_out``: the blurred ``a`` laid out ``[H, W, P]``."""
     from . import _filter_kernels as K
 
     P, H, W = a.shape
@@ -133,7 +132,7 @@ def _blur_kernel(a: np.ndarray, b: np.ndarray | None, sigma_px: float, radius: i
     return K.separable_filter(a, b, _taps(radius, float(sigma_px), dt, transpose),
                               K.REFLECT_T if transpose else K.REFLECT, bh, sh, lo, hi,
                               chunk_rows(H, P + b.shape[0]),
-                              empty if lx is None else lx, empty if ly is None else ly, float(ga), float(gb),
+                              np.empty((0, H, W), dtype=np.int8) if sgn is None else sgn, float(ga), float(gb),
                               bool(hwc_out))
 
 
@@ -162,11 +161,14 @@ class SSIMCPU(torch.autograd.Function):
         _dtype_name(x)
         want_x = bool(with_grad and ctx.needs_input_grad[0])
         want_y = bool(with_grad and ctx.needs_input_grad[1])
-        xn, yn = _planes(x), _planes(y)
-        row_sums, l1_rows, gx, gy = _ssim_kernel(xn, yn, want_x, want_y)
-        ctx.arrays = (xn.reshape(-1), yn.reshape(-1), gx.reshape(-1), gy.reshape(-1))
+        # read where they lie (the training step's render and target are [H, W, 3] images); the gradients go
+        # back in each input's layout
+        row_sums, l1_rows, gx, gy, sgn = _ssim_kernel(_plane_view(x), _plane_view(y), want_x, want_y,
+                                                      want_x or want_y)
+        ctx.arrays = (gx, gy, sgn)
         ctx.with_grad = bool(with_grad)
         ctx.shape = (B, C, H, W)
+        ctx.hwc = (_is_hwc(x), _is_hwc(y))
         return _means(row_sums, l1_rows, x)
 
     @staticmethod
@@ -176,14 +178,16 @@ class SSIMCPU(torch.autograd.Function):
 
         if not ctx.with_grad:
             raise _no_grad_pass("SSIMCPU", "splatflow.render.ssim.ssim")
-        xf, yf, gx, gy = ctx.arrays
-        n = xf.shape[0]
+        gx, gy, sgn = ctx.arrays
+        n = sgn.size
         a, b = float(g_ssim) / n, float(g_l1) / n
         out = []
-        for i, (u, v, g) in enumerate(((xf, yf, gx), (yf, xf, gy))):
-            # d|x - y|/dy = -sign(x - y) = sign(y - x): the same kernel with the arguments swapped
-            out.append(torch.from_numpy(K.add_sign_grad(g, u, v, a, b)).view(ctx.shape)
-                       if ctx.needs_input_grad[i] else None)
+        for i, (g, sb) in enumerate(((gx, b), (gy, -b))):  # d|x - y|/dy = -sign(x - y)
+            if not ctx.needs_input_grad[i]:
+                out.append(None)
+                continue
+            arr = torch.from_numpy(K.add_sign_grad(g, sgn, a, sb, ctx.hwc[i]))
+            out.append(arr.permute(2, 0, 1)[None] if ctx.hwc[i] else arr.view(ctx.shape))
         return out[0], out[1], None
 
 
@@ -247,8 +251,8 @@ class BlurredL1SSIMCPU(torch.autograd.Function):
         # gradient goes back in the render's layout: no copy of either image, nor of the gradient, on the way
         xb, yb = _blur_kernel(_plane_view(x), _plane_view(y), sigma_px, radius, False)
         want = bool(with_grad and ctx.needs_input_grad[0])
-        row_sums, l1_rows, gx, _ = _ssim_kernel(xb, yb, want, False)
-        ctx.arrays = (xb, yb, gx) if want else None
+        row_sums, l1_rows, gx, _, sgn = _ssim_kernel(xb, yb, want, False, want)
+        ctx.arrays = (gx, sgn) if want else None
         ctx.params = (float(sigma_px), int(radius), x.shape, _is_hwc(x))
         return _means(row_sums, l1_rows, x)
 
@@ -257,10 +261,10 @@ class BlurredL1SSIMCPU(torch.autograd.Function):
     def backward(ctx, g_ssim: Tensor, g_l1: Tensor):
         if ctx.arrays is None:
             raise _no_grad_pass("BlurredL1SSIMCPU", "splatflow.render.ssim.l1_ssim")
-        xb, yb, gx = ctx.arrays
+        gx, sgn = ctx.arrays
         sigma_px, radius, shape, hwc = ctx.params
         n = gx.size
-        out, _ = _blur_kernel(gx, None, sigma_px, radius, True, xb, yb, float(g_ssim) / n, float(g_l1) / n, hwc)
+        out, _ = _blur_kernel(gx, None, sigma_px, radius, True, sgn, float(g_ssim) / n, float(g_l1) / n, hwc)
         grad = torch.from_numpy(out).permute(2, 0, 1)[None] if hwc else torch.from_numpy(out).view(shape)
         return grad, None, None, None, None
 

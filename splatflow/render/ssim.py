@@ -97,7 +97,7 @@ def ssim(x: Tensor, y: Tensor) -> Tensor:
     if x.device.type == "cpu" and y.device.type == "cpu":
         from .filters import ssim_cpu
 
-        return ssim_cpu(x.contiguous(), y.contiguous())
+        return ssim_cpu(x, y)  # (the kernels read any layout)
     return _SSIM.apply(x.contiguous(), y.contiguous())
 
 
@@ -118,8 +118,9 @@ def l1_ssim(x: Tensor, y: Tensor, blur_sigma: float = 0.0) -> tuple[Tensor, Tens
     if x.device.type == "cpu" and y.device.type == "cpu":
         from .filters import blurred_l1_ssim_cpu, ssim_l1_cpu
 
-        # (the blur reads its inputs through a contiguous copy only where needed, inside its timed kernel call)
-        s, l1 = (blurred_l1_ssim_cpu(x, y, blur_sigma) if blur else ssim_l1_cpu(x.contiguous(), y.contiguous()))
+        # the kernels read the images where they lie (the training step's [H, W, 3] render and target seen as
+        # [1, 3, H, W]) and hand the gradient back in the render's layout: no copy either way
+        s, l1 = (blurred_l1_ssim_cpu(x, y, blur_sigma) if blur else ssim_l1_cpu(x, y))
         return l1, s
     if blur:  # the torch blur for other devices lives with the schedule that drives it
         from splatflow.render.blur import gaussian_blur_pair
