@@ -106,15 +106,27 @@ def _dtype_name(t: Tensor) -> str:
     return "float32" if t.dtype == torch.float32 else "float64"
 
 
-def _ssim_kernel(xn: np.ndarray, yn: np.ndarray, want_x: bool, want_y: bool, want_sign: bool = False):
-    """:func:`._filter_kernels.ssim_fused` on ``[P, H, W]`` planes (any layout) with the SSIM window."""
+def _ssim_kernel(xn: np.ndarray, yn: np.ndarray, want_x: bool, want_y: bool, want_sign: bool = False,
+                 blur: tuple[float, int] | None = None):
+    """:func:`._filter_kernels.ssim_fused` on ``[P, H, W]`` planes (any layout) with the SSIM window; with
+    ``blur = (sigma_px, radius)`` of both images blurred by the training blur on the way in."""
     from . import _filter_kernels as K
 
     H = xn.shape[1]
     dt = str(xn.dtype)
     bh, sh, lo, hi = _bands(H, WINDOW // 2, SIGMA, "zero", False, dt)
-    return K.ssim_fused(xn, yn, _taps(WINDOW // 2, SIGMA, dt), bh, sh, lo, hi, want_x, want_y, want_sign,
-                        chunk_rows(H, xn.shape[0]))
+    if blur is None:
+        bt, bbh, bsh, blo, bhi = _NO_BLUR[dt]
+    else:
+        bt = _taps(int(blur[1]), float(blur[0]), dt)
+        bbh, bsh, blo, bhi = _bands(H, int(blur[1]), float(blur[0]), "reflect", False, dt)
+    return K.ssim_fused(xn, yn, _taps(WINDOW // 2, SIGMA, dt), bh, sh, lo, hi, bt, bbh, bsh, blo, bhi, want_x,
+                        want_y, want_sign, chunk_rows(H, xn.shape[0]))
+
+
+# :func:`._filter_kernels.ssim_fused`'s blur arguments for "no blur", per dtype
+_NO_BLUR = {dt: (np.empty(0, dtype=dt), np.empty((0, 0), dtype=dt), np.empty(0, dtype=np.int64), 0, 0)
+            for dt in ("float32", "float64")}
 
 
 def _blur_kernel(a: np.ndarray, b: np.ndarray | None, sigma_px: float, radius: int, transpose: bool,
@@ -239,19 +251,20 @@ class BlurredL1SSIMCPU(torch.autograd.Function):
     tensors; gradient to ``x`` only, the target being data): the training loss's two terms of 3DGS Eq. 7 with
     the progressive blur. ``apply(x, y, sigma_px, radius, with_grad)``.
 
-    Forward: the blur of both (one kernel), then SSIM and L1 with SSIM's gradient (one kernel, as
-    :class:`SSIMCPU`). Backward: one kernel forms ``a dSSIM + b sign(blurred x - blurred y)`` row by row and
-    runs the transposed blur over it; through :class:`GaussianBlurCPU` and :class:`SSIMCPU` that gradient is
-    one more full image written and read again, and one more parallel loop."""
+    Forward: one kernel blurs both row by row on the way into SSIM and L1 with SSIM's gradient (as
+    :class:`SSIMCPU`; the blurred images never go through memory) and keeps ``sign(blurred x - blurred y)`` as
+    int8. Backward: one kernel forms ``a dSSIM + b sign`` row by row and runs the transposed blur over it;
+    through :class:`GaussianBlurCPU` and :class:`SSIMCPU` that would be two more images written and read again,
+    and two more parallel loops."""
 
     @staticmethod
     def forward(ctx, x: Tensor, y: Tensor, sigma_px: float, radius: int, with_grad: bool = True):
         _dtype_name(x)
         # the render and target are read where they lie (the training step's are [H, W, 3] images), and the
         # gradient goes back in the render's layout: no copy of either image, nor of the gradient, on the way
-        xb, yb = _blur_kernel(_plane_view(x), _plane_view(y), sigma_px, radius, False)
         want = bool(with_grad and ctx.needs_input_grad[0])
-        row_sums, l1_rows, gx, _, sgn = _ssim_kernel(xb, yb, want, False, want)
+        row_sums, l1_rows, gx, _, sgn = _ssim_kernel(_plane_view(x), _plane_view(y), want, False, want,
+                                                     (float(sigma_px), int(radius)))
         ctx.arrays = (gx, sgn) if want else None
         ctx.params = (float(sigma_px), int(radius), x.shape, _is_hwc(x))
         return _means(row_sums, l1_rows, x)
