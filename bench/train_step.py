@@ -13,7 +13,9 @@ machine is shared).
 Each case also prints where the step's time goes: the library's hot functions are wrapped with timers for the
 timed steps (rasterize forward/backward, projection forward + backward, SSIM forward + backward, blur forward +
 backward, Adam, strategy; where blur, L1 and SSIM are one fused Function, its SSIM kernel call is "SSIM" and
-the rest of it "blur"; a timed call inside another counts to its own part only); "other" is the rest of the step (Python, image window and target, L1, autograd
+the rest of it "blur": since session 12 the forward blur runs inside the SSIM kernel, so "SSIM" holds it and
+"blur" is the backward's transposed blur and glue, and only their sum compares across versions; a timed call
+inside another counts to its own part only); "other" is the rest of the step (Python, image window and target, L1, autograd
 glue). Each part is given in wall time and in process CPU time (all threads; on a shared machine the steadier of
 the two), and the step's minor page faults (fresh memory touched: allocations the allocator returned to the
 system and took back) with the system CPU time they cost. Parts that a given code version does not route through a wrapped function (e.g. a blur done by plain
@@ -180,8 +182,9 @@ class PartTimer:
         if filt is not None and hasattr(filt, "GaussianBlurCPU"):
             self.patch(filt.GaussianBlurCPU, "forward", "blur")
             self.patch(filt.GaussianBlurCPU, "backward", "blur")
-            # the fused blur + L1 + SSIM Function: its SSIM kernel is "SSIM", the rest (reading the render, the
-            # blur, the backward's transposed blur of the L1 + SSIM gradient formed on the way in, glue) "blur"
+            # the fused blur + L1 + SSIM Function: its SSIM kernel is "SSIM" (since session 12 with the forward
+            # blur inside), the rest (the backward's transposed blur of the L1 + SSIM gradient formed on the way
+            # in, glue) "blur"
             self.patch(getattr(filt, "BlurredL1SSIMCPU", None), "forward", "blur")
             self.patch(getattr(filt, "BlurredL1SSIMCPU", None), "backward", "blur")
             self.patch(filt, "_ssim_kernel", "SSIM")

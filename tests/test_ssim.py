@@ -366,3 +366,34 @@ def test_filter_kernels_compile_first_in_a_fresh_process(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == "True"
+
+
+def test_ssim_kernel_results_do_not_depend_on_how_rows_are_cut():
+    """The SSIM kernel's parallel runs (``row_segments``: every row of every plane exactly once, one run per
+    thread, a plane cut where a run ends) give the same bits however many runs there are, with and without the
+    training blur: the rows in the filters' reach of a cut are made by both sides."""
+    from splatflow.render import _filter_kernels as K
+    from splatflow.render.filters import _bands, _taps, row_segments
+
+    H, W = 61, 45
+    rng = np.random.default_rng(3)
+    x, y = rng.random((3, H, W), dtype=np.float32), rng.random((3, H, W), dtype=np.float32)
+    bh, sh, lo, hi = _bands(H, 5, 1.5, "zero", False, "float32")
+    for blur in (None, (2.4, 8)):
+        if blur is None:
+            bt, bb, bs, blo, bhi = (np.empty(0, np.float32), np.empty((0, 0), np.float32), np.empty(0, np.int64), 0, 0)
+        else:
+            bt = _taps(blur[1], blur[0], "float32")
+            bb, bs, blo, bhi = _bands(H, blur[1], blur[0], "reflect", False, "float32")
+        results = []
+        for threads in (1, 2, 3, 4, 7):
+            segs, first = row_segments(3, H, threads)
+            rows = np.zeros((3, H), dtype=int)
+            for p, r0, r1 in segs:
+                rows[p, r0:r1] += 1
+            assert (rows == 1).all() and first[0] == 0 and first[-1] == len(segs)
+            results.append(K.ssim_fused(x, y, _taps(5, 1.5, "float32"), bh, sh, lo, hi, bt, bb, bs, blo, bhi,
+                                        True, True, True, segs, first))
+        assert len({len(row_segments(3, H, t)[0]) for t in (1, 2, 3, 4, 7)}) > 1  # the cuts did differ
+        for r in results[1:]:
+            assert all(np.array_equal(a, b) for a, b in zip(results[0], r))

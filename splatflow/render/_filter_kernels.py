@@ -16,8 +16,9 @@ Down the columns (y) a filter is a banded matrix ``M [n, n]`` (``out = M @ in``)
 padding, or their transposes). Each output row is then one stencil over ``L`` whole input rows, vectorised
 along the row whatever its coefficients, so the border rows cost no more than the others.
 
-Images are ``[P, H, W]`` planes (batch x channels flattened), float32 or float64 (one compiled specialisation
-each). Each kernel is one parallel loop over chunks of rows of one plane. A chunk streams its rows (its own plus
+Images are ``[P, H, W]`` planes (batch x channels flattened, any strides), float32 or float64 (one compiled
+specialisation each). Each kernel is one parallel loop over chunks of rows of one plane (SSIM: over runs of rows
+that may span planes). A chunk streams its rows (its own plus
 the filter's reach) through ring buffers of the last ``L + 3`` row-filtered rows, each stored twice so that any
 ``L + 3`` consecutive ones are one block (see :func:`_col_stencil`): each input row is filtered along x once,
 output rows go in batches of four, the column stencil over the ring as soon as their rows are in (four plain
@@ -271,7 +272,7 @@ def _row_filter(src, dst, taps, mode, pad, tmp):
 # -- SSIM -------------------------------------------------------------------------------------------------------
 
 @nb.njit(parallel=True, cache=True, fastmath=True)
-def ssim_fused(x, y, taps, bh, sh, lo, hi, btaps, bbh, bsh, blo, bhi, want_x, want_y, want_sign, chunk):
+def ssim_fused(x, y, taps, bh, sh, lo, hi, btaps, bbh, bsh, blo, bhi, want_x, want_y, want_sign, segs, first):
     """SSIM of two ``[P, H, W]`` stacks, and the gradients of the SUM of its map w.r.t. ``x`` / ``y`` (those
     wanted), with the separable window ``taps`` along the rows (zero padding) x the band ``(bh, sh)`` down the
     columns, whose rows ``lo <= i < hi`` are the plain stencil.
@@ -284,19 +285,24 @@ def ssim_fused(x, y, taps, bh, sh, lo, hi, btaps, bbh, bsh, blo, bhi, want_x, wa
 
     With blur taps ``btaps`` (no taps: none) and their band ``(bbh, bsh)`` (plain rows ``blo <= i < bhi``), all
     of this is of ``x`` and ``y`` blurred by that filter with reflect padding (the training blur, as
-    :func:`separable_filter`), made row by row on the way in: the blurred images never go through memory. With ``S`` the map and ``G`` the window filter, the moments are ``G x``, ``G y``,
-    ``G (x^2 + y^2)`` and ``G (x y)``: ``E[x^2]`` and ``E[y^2]`` enter SSIM only through their sum (the sum of
-    the variances), so four filtered moments instead of five. ``d sum(S) / dx = G^T dmu_x + 2 x G^T dE +
-    y G^T dE[xy]`` with ``dE = dS/dE[x^2 + y^2]`` (symmetrically for y); the zero-padded symmetric window is its
-    own transpose, so the same filter takes the point-wise derivatives.
+    :func:`separable_filter`), made row by row on the way in: the blurred images never go through memory.
 
-    Work is split into chunks of ``chunk`` rows of one plane, in parallel; a chunk streams its rows through two
-    rings (see the module docstring): the row-filtered moments, and the row-filtered derivative maps (and, with
-    the blur, two more: ``x`` and ``y`` blurred along the rows, whose column stencils make the input rows). Output
-    rows go in batches of ``BATCH_ROWS``, one moment (or derivative map) at a time over the batch, so the ring
-    rows that the batch's column stencils share stay in L1 cache (25-30% faster than all five moments row by
-    row). Each SSIM row is made as soon as its moment rows are in, each gradient row as soon as its derivative
-    rows are in; nothing else is written to memory.
+    With ``S`` the map and ``G`` the window filter, the moments are ``G x``, ``G y``, ``G (x^2 + y^2)`` and
+    ``G (x y)``: ``E[x^2]`` and ``E[y^2]`` enter SSIM only through their sum (the sum of the variances), so four
+    filtered moments instead of five. ``d sum(S) / dx = G^T dmu_x + 2 x G^T dE + y G^T dE[xy]`` with
+    ``dE = dS/dE[x^2 + y^2]`` (symmetrically for y); the zero-padded symmetric window is its own transpose, so
+    the same filter takes the point-wise derivatives.
+
+    Work is split into segments ``segs [S, 3]`` (plane, first row, end row) run in parallel, the segments of
+    item ``t`` being ``segs[first[t]:first[t + 1]]`` (:func:`splatflow.render.filters.row_segments`: all rows of
+    all planes cut into one run per thread, so that a plane is cut only where a thread's share ends: the rows
+    in the filters' reach of a cut are made by both sides; the results do not depend on the cuts). A segment
+    streams its rows through rings (see the module docstring): the input rows (blurred, or copied from a
+    strided view), with the blur ``x`` and ``y`` blurred along the rows, the row-filtered moments, and the
+    row-filtered derivative maps. Output rows go in batches of ``BATCH_ROWS``, one moment (or derivative map)
+    at a time over the batch, so the ring rows that the batch's column stencils share stay in L1 cache (25-30%
+    faster than all five moments row by row). Each SSIM row is made as soon as its moment rows are in, each
+    gradient row as soon as its derivative rows are in; nothing else is written to memory.
     """
     P, H, W = x.shape
     L = bh.shape[1]
@@ -318,20 +324,12 @@ def ssim_fused(x, y, taps, bh, sh, lo, hi, btaps, bbh, bsh, blo, bhi, want_x, wa
     # the newest moment row, at most 2 r + 2 B apart, in whole batches (slots of a batch are consecutive)
     RG = 2 * L + 8 * B
     RG -= RG % B
-    nc = (H + chunk - 1) // chunk
     row_sums = np.zeros(P * H, dtype=np.float64)
     l1_rows = np.zeros(P * H, dtype=np.float64)
     gx = np.empty((P, H, W) if want_x else (0, 0, 0), dtype=x.dtype)
     gy = np.empty((P, H, W) if want_y else (0, 0, 0), dtype=x.dtype)
     sgn = np.empty((P, H, W) if want_sign else (0, 0, 0), dtype=np.int8)
-    for t in nb.prange(P * nc):
-        p = t // nc
-        r0 = (t - p * nc) * chunk
-        r1 = min(H, r0 + chunk)
-        d0, d1 = r0, r1  # rows whose point-wise terms are needed
-        if need:
-            d0, d1 = sh[r0], sh[r1 - 1] + L
-        m0 = sh[d0]  # first row whose moments are needed
+    for t in nb.prange(first.shape[0] - 1):
         hm = np.empty((4, 2 * R, W), dtype=x.dtype)  # ring: row-filtered x, y, x^2 + y^2, xy
         dh = np.empty((4, 2 * R if need else 0, W), dtype=x.dtype)  # ring: the row-filtered derivative maps
         src = np.zeros((4, W + 2 * r), dtype=x.dtype)  # zero-padded rows: x, y, x^2 + y^2, xy; then the dm
@@ -344,128 +342,136 @@ def ssim_fused(x, y, taps, bh, sh, lo, hi, btaps, bbh, bsh, blo, bhi, want_x, wa
         bx = np.empty((2 * Rb if blur else 0, W), dtype=x.dtype)  # blur rings: x, y blurred along the rows
         by = np.empty((2 * Rb if blur else 0, W), dtype=x.dtype)
         padb, tmpb = _pad_buffer(W, rb, REFLECT, x)
-        bm0 = bsh[m0] if blur else 0
-        bnm = bm0  # next input row to blur along x
-        nin = m0  # next input row to make
-        nm = m0  # next row to filter along x
-        ni = r0  # next gradient row
-        for d in range(d0, d1, B):
-            e = min(d + B, d1)
-            while nm < sh[e - 1] + L:  # the batch's moment rows in: filter row nm along x into the ring
-                if nin <= nm:  # the next batch of input rows: the blur's column stencil, or a copy
-                    q1 = min(nin + B, H)
-                    sl = (nin - m0) % RG
-                    if blur:
-                        while bnm < bsh[q1 - 1] + Lb:
-                            k = (bnm - bm0) % Rb
-                            _row_filter(x[p, bnm], bx[k], btaps, REFLECT, padb, tmpb)
-                            _ring_dup(bx, k)
-                            _row_filter(y[p, bnm], by[k], btaps, REFLECT, padb, tmpb)
-                            _ring_dup(by, k)
-                            bnm += 1
-                        if q1 - nin == B and blo <= nin and q1 <= bhi:
-                            _col_stencil4(bx, bm0, xin[sl:sl + B], bbh, bsh, nin)
-                            _col_stencil4(by, bm0, yin[sl:sl + B], bbh, bsh, nin)
+        for sg in range(first[t], first[t + 1]):
+            p = segs[sg, 0]
+            r0 = segs[sg, 1]
+            r1 = segs[sg, 2]
+            d0, d1 = r0, r1  # rows whose point-wise terms are needed
+            if need:
+                d0, d1 = sh[r0], sh[r1 - 1] + L
+            m0 = sh[d0]  # first row whose moments are needed
+            bm0 = bsh[m0] if blur else 0
+            bnm = bm0  # next input row to blur along x
+            nin = m0  # next input row to make
+            nm = m0  # next row to filter along x
+            ni = r0  # next gradient row
+            for d in range(d0, d1, B):
+                e = min(d + B, d1)
+                while nm < sh[e - 1] + L:  # the batch's moment rows in: filter row nm along x into the ring
+                    if nin <= nm:  # the next batch of input rows: the blur's column stencil, or a copy
+                        q1 = min(nin + B, H)
+                        sl = (nin - m0) % RG
+                        if blur:
+                            while bnm < bsh[q1 - 1] + Lb:
+                                k = (bnm - bm0) % Rb
+                                _row_filter(x[p, bnm], bx[k], btaps, REFLECT, padb, tmpb)
+                                _ring_dup(bx, k)
+                                _row_filter(y[p, bnm], by[k], btaps, REFLECT, padb, tmpb)
+                                _ring_dup(by, k)
+                                bnm += 1
+                            if q1 - nin == B and blo <= nin and q1 <= bhi:
+                                _col_stencil4(bx, bm0, xin[sl:sl + B], bbh, bsh, nin)
+                                _col_stencil4(by, bm0, yin[sl:sl + B], bbh, bsh, nin)
+                            else:
+                                for b in range(q1 - nin):
+                                    _col_stencil(bx, bm0, xin[sl + b], bbh, bsh, nin + b)
+                                    _col_stencil(by, bm0, yin[sl + b], bbh, bsh, nin + b)
                         else:
                             for b in range(q1 - nin):
-                                _col_stencil(bx, bm0, xin[sl + b], bbh, bsh, nin + b)
-                                _col_stencil(by, bm0, yin[sl + b], bbh, bsh, nin + b)
-                    else:
-                        for b in range(q1 - nin):
-                            xs, ys, xd, yd = x[p, nin + b], y[p, nin + b], xin[sl + b], yin[sl + b]
+                                xs, ys, xd, yd = x[p, nin + b], y[p, nin + b], xin[sl + b], yin[sl + b]
+                                for j in range(W):
+                                    xd[j] = xs[j]
+                                    yd[j] = ys[j]
+                        nin = q1
+                    xr = xin[(nm - m0) % RG]
+                    yr = yin[(nm - m0) % RG]
+                    a = 0.0
+                    for j in range(W):
+                        u = xr[j]
+                        v = yr[j]
+                        a += abs(u - v)
+                        s0[j] = u
+                        s1[j] = v
+                        s2[j] = u * u + v * v
+                        s3[j] = u * v
+                    if r0 <= nm < r1:
+                        l1_rows[p * H + nm] = a
+                        if want_sign:  # sign(x - y) of the chunk's own rows: the L1 term's gradient, 1 byte a pixel
+                            sr = sgn[p, nm]
                             for j in range(W):
-                                xd[j] = xs[j]
-                                yd[j] = ys[j]
-                    nin = q1
-                xr = xin[(nm - m0) % RG]
-                yr = yin[(nm - m0) % RG]
-                a = 0.0
-                for j in range(W):
-                    u = xr[j]
-                    v = yr[j]
-                    a += abs(u - v)
-                    s0[j] = u
-                    s1[j] = v
-                    s2[j] = u * u + v * v
-                    s3[j] = u * v
-                if r0 <= nm < r1:
-                    l1_rows[p * H + nm] = a
-                    if want_sign:  # sign(x - y) of the chunk's own rows: the L1 term's gradient, 1 byte a pixel
-                        sr = sgn[p, nm]
-                        for j in range(W):
-                            dv = xr[j] - yr[j]
-                            sr[j] = (dv > 0) - (dv < 0)
-                q = (nm - m0) % R
+                                dv = xr[j] - yr[j]
+                                sr[j] = (dv > 0) - (dv < 0)
+                    q = (nm - m0) % R
+                    for c in range(4):
+                        _row_stencil(src[c], hm[c, q], taps, W)
+                        _ring_dup(hm[c], q)
+                    nm += 1
+                plain = e - d == B and lo <= d and e <= hi
                 for c in range(4):
-                    _row_stencil(src[c], hm[c, q], taps, W)
-                    _ring_dup(hm[c], q)
-                nm += 1
-            plain = e - d == B and lo <= d and e <= hi
-            for c in range(4):
-                if plain:
-                    _col_stencil4(hm[c], m0, mom[c], bh, sh, d)
-                else:
-                    for b in range(e - d):
-                        _col_stencil(hm[c], m0, mom[c, b], bh, sh, d + b)
-            for b in range(e - d):
-                dd = d + b
-                total = 0.0
-                mx_, my_, mss, mxy_ = mom[0, b], mom[1, b], mom[2, b], mom[3, b]
-                for j in range(W):
-                    # in the storage type, as the moments themselves (their float32 rounding, not this
-                    # arithmetic's, bounds the variances' error): SSIM(x, x) is 1 within 3e-6 in float32
-                    mx = mx_[j]
-                    my = my_[j]
-                    mxy = mx * my
-                    a1 = two * mxy + c1
-                    a2 = two * (mxy_[j] - mxy) + c2
-                    b1 = mx * mx + my * my + c1
-                    b2 = mss[j] - (mx * mx + my * my) + c2
-                    inv_d = one / (b1 * b2)  # one division: 1/b1 and 1/b2 follow from it
-                    sv = a1 * a2 * inv_d
-                    total += sv
-                    if need:
-                        s_b2 = sv * b1 * inv_d  # S / B2
-                        diff = s_b2 - sv * b2 * inv_d  # S / B2 - S / B1
-                        qq = two * (a2 - a1) * inv_d
-                        s0[j] = qq * my + two * mx * diff  # dS/dmu_x
-                        s1[j] = qq * mx + two * my * diff  # dS/dmu_y
-                        s2[j] = -s_b2  # dS/dE[x^2 + y^2]
-                        s3[j] = two * a1 * inv_d  # dS/dE[xy]
-                if r0 <= dd < r1:
-                    row_sums[p * H + dd] = total
-                if not need:
-                    continue
-                q = (dd - d0) % R
-                for c in range(4):
-                    if (c != 0 or want_x) and (c != 1 or want_y):
-                        _row_stencil(src[c], dh[c, q], taps, W)
-                        _ring_dup(dh[c], q)
-                while ni < r1:  # the next batch of gradient rows, once its derivative rows are in
-                    f = min(ni + B, r1)
-                    if sh[f - 1] + L - 1 > dd:
-                        break
+                    if plain:
+                        _col_stencil4(hm[c], m0, mom[c], bh, sh, d)
+                    else:
+                        for b in range(e - d):
+                            _col_stencil(hm[c], m0, mom[c, b], bh, sh, d + b)
+                for b in range(e - d):
+                    dd = d + b
+                    total = 0.0
+                    mx_, my_, mss, mxy_ = mom[0, b], mom[1, b], mom[2, b], mom[3, b]
+                    for j in range(W):
+                        # in the storage type, as the moments themselves (their float32 rounding, not this
+                        # arithmetic's, bounds the variances' error): SSIM(x, x) is 1 within 3e-6 in float32
+                        mx = mx_[j]
+                        my = my_[j]
+                        mxy = mx * my
+                        a1 = two * mxy + c1
+                        a2 = two * (mxy_[j] - mxy) + c2
+                        b1 = mx * mx + my * my + c1
+                        b2 = mss[j] - (mx * mx + my * my) + c2
+                        inv_d = one / (b1 * b2)  # one division: 1/b1 and 1/b2 follow from it
+                        sv = a1 * a2 * inv_d
+                        total += sv
+                        if need:
+                            s_b2 = sv * b1 * inv_d  # S / B2
+                            diff = s_b2 - sv * b2 * inv_d  # S / B2 - S / B1
+                            qq = two * (a2 - a1) * inv_d
+                            s0[j] = qq * my + two * mx * diff  # dS/dmu_x
+                            s1[j] = qq * mx + two * my * diff  # dS/dmu_y
+                            s2[j] = -s_b2  # dS/dE[x^2 + y^2]
+                            s3[j] = two * a1 * inv_d  # dS/dE[xy]
+                    if r0 <= dd < r1:
+                        row_sums[p * H + dd] = total
+                    if not need:
+                        continue
+                    q = (dd - d0) % R
                     for c in range(4):
                         if (c != 0 or want_x) and (c != 1 or want_y):
-                            if f - ni == B and lo <= ni and f <= hi:
-                                _col_stencil4(dh[c], d0, acc[c], bh, sh, ni)
-                            else:
-                                for i in range(ni, f):
-                                    _col_stencil(dh[c], d0, acc[c, i - ni], bh, sh, i)
-                    for i in range(ni, f):
-                        xr = xin[(i - m0) % RG]
-                        yr = yin[(i - m0) % RG]
-                        a0, a2_, a3 = acc[0, i - ni], acc[2, i - ni], acc[3, i - ni]
-                        if want_x:
-                            o = gx[p, i]
-                            for j in range(W):
-                                o[j] = a0[j] + two * xr[j] * a2_[j] + yr[j] * a3[j]
-                        if want_y:
-                            a1_ = acc[1, i - ni]
-                            o = gy[p, i]
-                            for j in range(W):
-                                o[j] = a1_[j] + two * yr[j] * a2_[j] + xr[j] * a3[j]
-                    ni = f
+                            _row_stencil(src[c], dh[c, q], taps, W)
+                            _ring_dup(dh[c], q)
+                    while ni < r1:  # the next batch of gradient rows, once its derivative rows are in
+                        f = min(ni + B, r1)
+                        if sh[f - 1] + L - 1 > dd:
+                            break
+                        for c in range(4):
+                            if (c != 0 or want_x) and (c != 1 or want_y):
+                                if f - ni == B and lo <= ni and f <= hi:
+                                    _col_stencil4(dh[c], d0, acc[c], bh, sh, ni)
+                                else:
+                                    for i in range(ni, f):
+                                        _col_stencil(dh[c], d0, acc[c, i - ni], bh, sh, i)
+                        for i in range(ni, f):
+                            xr = xin[(i - m0) % RG]
+                            yr = yin[(i - m0) % RG]
+                            a0, a2_, a3 = acc[0, i - ni], acc[2, i - ni], acc[3, i - ni]
+                            if want_x:
+                                o = gx[p, i]
+                                for j in range(W):
+                                    o[j] = a0[j] + two * xr[j] * a2_[j] + yr[j] * a3[j]
+                            if want_y:
+                                a1_ = acc[1, i - ni]
+                                o = gy[p, i]
+                                for j in range(W):
+                                    o[j] = a1_[j] + two * yr[j] * a2_[j] + xr[j] * a3[j]
+                        ni = f
     return row_sums, l1_rows, gx, gy, sgn
 
 

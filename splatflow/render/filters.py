@@ -80,6 +80,30 @@ def chunk_rows(H: int, planes: int, threads: int | None = None) -> int:
     return -(-H // nc)
 
 
+def row_segments(P: int, H: int, threads: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The rows of ``P`` planes of ``H`` rows as one run per thread (default: numba's current count), each run
+    cut where it crosses a plane: ``(segs [S, 3] int64 (plane, first row, end row), first [T + 1] int64)``, the
+    segments of run ``t`` being ``segs[first[t]:first[t + 1]]``. A parallel loop over the runs gives every thread
+    the same number of rows and cuts a plane only where a thread's share ends (3 planes on 2 threads: one cut,
+    where chunks of whole-plane divisors made three), so the fewest rows in a filter's reach are done twice."""
+    if threads is None:
+        import numba
+
+        threads = numba.get_num_threads()
+    total = P * H
+    runs = max(1, min(int(threads), total // MIN_CHUNK_ROWS))
+    segs, first = [], [0]
+    for t in range(runs):
+        a, b = total * t // runs, total * (t + 1) // runs
+        while a < b:
+            p, r0 = divmod(a, H)
+            r1 = min(H, r0 + (b - a))
+            segs.append((p, r0, r1))
+            a += r1 - r0
+        first.append(len(segs))
+    return np.asarray(segs, dtype=np.int64).reshape(-1, 3), np.asarray(first, dtype=np.int64)
+
+
 def _planes(t: Tensor) -> np.ndarray:
     """``[B, C, H, W]`` tensor -> contiguous ``[B * C, H, W]`` numpy view (a copy only if not contiguous)."""
     B, C, H, W = t.shape
@@ -121,7 +145,7 @@ def _ssim_kernel(xn: np.ndarray, yn: np.ndarray, want_x: bool, want_y: bool, wan
         bt = _taps(int(blur[1]), float(blur[0]), dt)
         bbh, bsh, blo, bhi = _bands(H, int(blur[1]), float(blur[0]), "reflect", False, dt)
     return K.ssim_fused(xn, yn, _taps(WINDOW // 2, SIGMA, dt), bh, sh, lo, hi, bt, bbh, bsh, blo, bhi, want_x,
-                        want_y, want_sign, chunk_rows(H, xn.shape[0]))
+                        want_y, want_sign, *row_segments(xn.shape[0], H))
 
 
 # :func:`._filter_kernels.ssim_fused`'s blur arguments for "no blur", per dtype
