@@ -194,6 +194,24 @@ def _h5(inp, out, w, m, unused, L):
     _hconv(inp, out, w, m, L)
 
 
+@nb.njit(cache=True, fastmath=True)
+def _h5dup(inp, out, w, m, out2, L):
+    """:func:`_hconv` writing each result to ``out`` and ``out2`` (a ring row and its second copy)."""
+    for j in range(m):
+        acc = w[0] * inp[j]
+        for k in range(1, L):
+            acc += w[k] * inp[j + k]
+        out[j] = acc
+        out2[j] = acc
+
+
+@nb.njit(cache=True, fastmath=True, inline="always")
+def _ring_stencil(pad, ring, slot, taps, m):
+    """:func:`_row_stencil` into ring row ``slot`` and its second copy ``R`` slots further (see
+    :func:`_col_stencil`) in one pass, instead of the stencil then :func:`_ring_dup`."""
+    _unrolled(_h5dup, pad, ring[slot], taps, m, ring[slot + ring.shape[0] // 2], taps.shape[0])
+
+
 @nb.njit(cache=True, fastmath=True, inline="always")
 def _row_stencil(pad, out, taps, m):
     """``out[j] = sum_k taps[k] pad[j + k]`` for ``j < m``."""
@@ -240,14 +258,16 @@ def _pad_buffer(W, r, mode, dtype_like):
 
 
 @nb.njit(cache=True, fastmath=True, inline="always")
-def _row_filter(src, dst, taps, mode, pad, tmp):
-    """``dst`` = the filter ``taps`` (length ``2r + 1``) along the row ``src`` (length ``W``) with padding
-    ``mode``; ``pad`` and ``tmp`` from :func:`_pad_buffer` (their zero borders are never written)."""
+def _row_filter(src, ring, slot, taps, mode, pad, tmp):
+    """Ring row ``slot`` (and its second copy, see :func:`_col_stencil`) = the filter ``taps`` (length
+    ``2r + 1``) along the row ``src`` (length ``W``) with padding ``mode``; ``pad`` and ``tmp`` from
+    :func:`_pad_buffer` (their zero borders are never written)."""
     W = src.shape[0]
     r = (taps.shape[0] - 1) // 2
     if mode == REFLECT_T:
         # adjoint of "reflect-pad, then stencil": the (reversed) stencil over the row zero-padded by 2r gives
         # the gradient of every padded position, then the mirrored ones are added back to their pixels
+        dst = ring[slot]
         mid = pad[2 * r:2 * r + W]  # a slice, not an offset index: see the stencils' note on indices
         for j in range(W):
             mid[j] = src[j]
@@ -258,6 +278,7 @@ def _row_filter(src, dst, taps, mode, pad, tmp):
         for q in range(1, r + 1):
             dst[q] += tmp[r - q]
             dst[W - 1 - q] += tmp[r + W - 1 + q]
+        _ring_dup(ring, slot)
         return
     mid = pad[r:r + W]
     for j in range(W):
@@ -266,7 +287,7 @@ def _row_filter(src, dst, taps, mode, pad, tmp):
         for q in range(1, r + 1):
             pad[r - q] = src[q]
             pad[r + W - 1 + q] = src[W - 1 - q]
-    _row_stencil(pad, dst, taps, W)
+    _ring_stencil(pad, ring, slot, taps, W)
 
 
 # -- SSIM -------------------------------------------------------------------------------------------------------
@@ -364,10 +385,8 @@ def ssim_fused(x, y, taps, bh, sh, lo, hi, btaps, bbh, bsh, blo, bhi, want_x, wa
                         if blur:
                             while bnm < bsh[q1 - 1] + Lb:
                                 k = (bnm - bm0) % Rb
-                                _row_filter(x[p, bnm], bx[k], btaps, REFLECT, padb, tmpb)
-                                _ring_dup(bx, k)
-                                _row_filter(y[p, bnm], by[k], btaps, REFLECT, padb, tmpb)
-                                _ring_dup(by, k)
+                                _row_filter(x[p, bnm], bx, k, btaps, REFLECT, padb, tmpb)
+                                _row_filter(y[p, bnm], by, k, btaps, REFLECT, padb, tmpb)
                                 bnm += 1
                             if q1 - nin == B and blo <= nin and q1 <= bhi:
                                 _col_stencil4(bx, bm0, xin[sl:sl + B], bbh, bsh, nin)
@@ -403,8 +422,7 @@ def ssim_fused(x, y, taps, bh, sh, lo, hi, btaps, bbh, bsh, blo, bhi, want_x, wa
                                 sr[j] = (dv > 0) - (dv < 0)
                     q = (nm - m0) % R
                     for c in range(4):
-                        _row_stencil(src[c], hm[c, q], taps, W)
-                        _ring_dup(hm[c], q)
+                        _ring_stencil(src[c], hm[c], q, taps, W)
                     nm += 1
                 plain = e - d == B and lo <= d and e <= hi
                 for c in range(4):
@@ -445,8 +463,7 @@ def ssim_fused(x, y, taps, bh, sh, lo, hi, btaps, bbh, bsh, blo, bhi, want_x, wa
                     q = (dd - d0) % R
                     for c in range(4):
                         if (c != 0 or want_x) and (c != 1 or want_y):
-                            _row_stencil(src[c], dh[c, q], taps, W)
-                            _ring_dup(dh[c], q)
+                            _ring_stencil(src[c], dh[c], q, taps, W)
                     while ni < r1:  # the next batch of gradient rows, once its derivative rows are in
                         f = min(ni + B, r1)
                         if sh[f - 1] + L - 1 > dd:
@@ -562,10 +579,9 @@ def separable_filter(src, src2, taps, mode, bh, sh, lo, hi, chunk, sgn, a, b, hw
                     g, sr = img[nm], sgn[q, nm]
                     for j in range(W):
                         row[j] = ta * g[j] + tb * sr[j]
-                    _row_filter(row, ring[k], taps, mode, pad, tmp)
+                    _row_filter(row, ring, k, taps, mode, pad, tmp)
                 else:
-                    _row_filter(img[nm], ring[k], taps, mode, pad, tmp)
-                _ring_dup(ring, k)
+                    _row_filter(img[nm], ring, k, taps, mode, pad, tmp)
                 nm += 1
             if to_hwc:
                 dst = orow[:e - i]
