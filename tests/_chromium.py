@@ -131,7 +131,15 @@ class _Tab:
             except OSError:
                 pass
         self._err.close()
-        self._profile.cleanup()
+        # the browser's helper processes (renderer, crash handler) can still be writing into the profile for a
+        # moment after the main process exited: retry the removal for a few seconds, then leave the rest to /tmp
+        for _ in range(40):
+            try:
+                self._profile.cleanup()
+                return
+            except OSError:
+                time.sleep(0.25)
+        shutil.rmtree(self._profile.name, ignore_errors=True)
 
     def __enter__(self):
         return self

@@ -189,6 +189,16 @@ def _unrolled(conv, a, b, c, d, e, L):
         conv(a, b, c, d, e, L)
 
 
+@nb.njit(cache=True, fastmath=True, inline="always")
+def _unrolled11(conv, a, b, c, d, e, L):
+    """:func:`_unrolled` for the SSIM window: 11 taps as a literal, anything else as it comes. The SSIM kernel's
+    many stencil call sites each expanded :func:`_unrolled`'s nine variants, which tripled its compile time."""
+    if L == 11:
+        conv(a, b, c, d, e, 11)
+    else:
+        conv(a, b, c, d, e, L)
+
+
 @nb.njit(cache=True, fastmath=True)
 def _h5(inp, out, w, m, unused, L):
     _hconv(inp, out, w, m, L)
@@ -213,6 +223,12 @@ def _ring_stencil(pad, ring, slot, taps, m):
 
 
 @nb.njit(cache=True, fastmath=True, inline="always")
+def _ring_stencil11(pad, ring, slot, taps, m):
+    """:func:`_ring_stencil` through :func:`_unrolled11` (the SSIM window)."""
+    _unrolled11(_h5dup, pad, ring[slot], taps, m, ring[slot + ring.shape[0] // 2], taps.shape[0])
+
+
+@nb.njit(cache=True, fastmath=True, inline="always")
 def _row_stencil(pad, out, taps, m):
     """``out[j] = sum_k taps[k] pad[j + k]`` for ``j < m``."""
     _unrolled(_h5, pad, out, taps, m, 0, taps.shape[0])
@@ -227,6 +243,22 @@ def _col_stencil(ring, row0, out, band, start, i):
     L = band.shape[1]
     b = (start[i] - row0) % (ring.shape[0] // 2)
     _unrolled(_vconv, ring[b:b + L], 0, out, band[i], out.shape[0], L)
+
+
+@nb.njit(cache=True, fastmath=True, inline="always")
+def _col_stencil11(ring, row0, out, band, start, i):
+    """:func:`_col_stencil` through :func:`_unrolled11` (the SSIM window)."""
+    L = band.shape[1]
+    b = (start[i] - row0) % (ring.shape[0] // 2)
+    _unrolled11(_vconv, ring[b:b + L], 0, out, band[i], out.shape[0], L)
+
+
+@nb.njit(cache=True, fastmath=True, inline="always")
+def _col_stencil4_11(ring, row0, out, band, start, i):
+    """:func:`_col_stencil4` through :func:`_unrolled11` (the SSIM window)."""
+    L = band.shape[1]
+    b = (start[i] - row0) % (ring.shape[0] // 2)
+    _unrolled11(_vconv4, ring[b:b + L + 3], 0, out, band[i], out.shape[1], L)
 
 
 @nb.njit(cache=True, fastmath=True, inline="always")
@@ -255,6 +287,20 @@ def _pad_buffer(W, r, mode, dtype_like):
     if mode == REFLECT_T:
         return np.zeros(W + 4 * r, dtype=dtype_like.dtype), np.empty(W + 2 * r, dtype=dtype_like.dtype)
     return np.zeros(W + 2 * r, dtype=dtype_like.dtype), np.empty(0, dtype=dtype_like.dtype)
+
+
+@nb.njit(cache=True, fastmath=True, inline="always")
+def _row_filter_reflect(src, ring, slot, taps, pad):
+    """:func:`_row_filter` with reflect padding only (the SSIM kernel's blur: one stencil call site less)."""
+    W = src.shape[0]
+    r = (taps.shape[0] - 1) // 2
+    mid = pad[r:r + W]
+    for j in range(W):
+        mid[j] = src[j]
+    for q in range(1, r + 1):
+        pad[r - q] = src[q]
+        pad[r + W - 1 + q] = src[W - 1 - q]
+    _ring_stencil(pad, ring, slot, taps, W)
 
 
 @nb.njit(cache=True, fastmath=True, inline="always")
@@ -362,7 +408,7 @@ def ssim_fused(x, y, taps, bh, sh, lo, hi, btaps, bbh, bsh, blo, bhi, want_x, wa
         yin = np.empty((RG, W), dtype=x.dtype)
         bx = np.empty((2 * Rb if blur else 0, W), dtype=x.dtype)  # blur rings: x, y blurred along the rows
         by = np.empty((2 * Rb if blur else 0, W), dtype=x.dtype)
-        padb, tmpb = _pad_buffer(W, rb, REFLECT, x)
+        padb, _ = _pad_buffer(W, rb, REFLECT, x)
         for sg in range(first[t], first[t + 1]):
             p = segs[sg, 0]
             r0 = segs[sg, 1]
@@ -383,18 +429,21 @@ def ssim_fused(x, y, taps, bh, sh, lo, hi, btaps, bbh, bsh, blo, bhi, want_x, wa
                         q1 = min(nin + B, H)
                         sl = (nin - m0) % RG
                         if blur:
+                            # (x and y through one call site of each stencil: each site is compiled code)
                             while bnm < bsh[q1 - 1] + Lb:
                                 k = (bnm - bm0) % Rb
-                                _row_filter(x[p, bnm], bx, k, btaps, REFLECT, padb, tmpb)
-                                _row_filter(y[p, bnm], by, k, btaps, REFLECT, padb, tmpb)
+                                for im in range(2):
+                                    _row_filter_reflect(x[p, bnm] if im == 0 else y[p, bnm], bx if im == 0 else by,
+                                                        k, btaps, padb)
                                 bnm += 1
-                            if q1 - nin == B and blo <= nin and q1 <= bhi:
-                                _col_stencil4(bx, bm0, xin[sl:sl + B], bbh, bsh, nin)
-                                _col_stencil4(by, bm0, yin[sl:sl + B], bbh, bsh, nin)
-                            else:
-                                for b in range(q1 - nin):
-                                    _col_stencil(bx, bm0, xin[sl + b], bbh, bsh, nin + b)
-                                    _col_stencil(by, bm0, yin[sl + b], bbh, bsh, nin + b)
+                            for im in range(2):
+                                ring_b = bx if im == 0 else by
+                                dst_b = xin if im == 0 else yin
+                                if q1 - nin == B and blo <= nin and q1 <= bhi:
+                                    _col_stencil4(ring_b, bm0, dst_b[sl:sl + B], bbh, bsh, nin)
+                                else:
+                                    for b in range(q1 - nin):
+                                        _col_stencil(ring_b, bm0, dst_b[sl + b], bbh, bsh, nin + b)
                         else:
                             for b in range(q1 - nin):
                                 xs, ys, xd, yd = x[p, nin + b], y[p, nin + b], xin[sl + b], yin[sl + b]
@@ -422,15 +471,15 @@ def ssim_fused(x, y, taps, bh, sh, lo, hi, btaps, bbh, bsh, blo, bhi, want_x, wa
                                 sr[j] = (dv > 0) - (dv < 0)
                     q = (nm - m0) % R
                     for c in range(4):
-                        _ring_stencil(src[c], hm[c], q, taps, W)
+                        _ring_stencil11(src[c], hm[c], q, taps, W)
                     nm += 1
                 plain = e - d == B and lo <= d and e <= hi
                 for c in range(4):
                     if plain:
-                        _col_stencil4(hm[c], m0, mom[c], bh, sh, d)
+                        _col_stencil4_11(hm[c], m0, mom[c], bh, sh, d)
                     else:
                         for b in range(e - d):
-                            _col_stencil(hm[c], m0, mom[c, b], bh, sh, d + b)
+                            _col_stencil11(hm[c], m0, mom[c, b], bh, sh, d + b)
                 for b in range(e - d):
                     dd = d + b
                     total = 0.0
@@ -463,7 +512,7 @@ def ssim_fused(x, y, taps, bh, sh, lo, hi, btaps, bbh, bsh, blo, bhi, want_x, wa
                     q = (dd - d0) % R
                     for c in range(4):
                         if (c != 0 or want_x) and (c != 1 or want_y):
-                            _ring_stencil(src[c], dh[c], q, taps, W)
+                            _ring_stencil11(src[c], dh[c], q, taps, W)
                     while ni < r1:  # the next batch of gradient rows, once its derivative rows are in
                         f = min(ni + B, r1)
                         if sh[f - 1] + L - 1 > dd:
@@ -471,10 +520,10 @@ def ssim_fused(x, y, taps, bh, sh, lo, hi, btaps, bbh, bsh, blo, bhi, want_x, wa
                         for c in range(4):
                             if (c != 0 or want_x) and (c != 1 or want_y):
                                 if f - ni == B and lo <= ni and f <= hi:
-                                    _col_stencil4(dh[c], d0, acc[c], bh, sh, ni)
+                                    _col_stencil4_11(dh[c], d0, acc[c], bh, sh, ni)
                                 else:
                                     for i in range(ni, f):
-                                        _col_stencil(dh[c], d0, acc[c, i - ni], bh, sh, i)
+                                        _col_stencil11(dh[c], d0, acc[c, i - ni], bh, sh, i)
                         for i in range(ni, f):
                             xr = xin[(i - m0) % RG]
                             yr = yin[(i - m0) % RG]
