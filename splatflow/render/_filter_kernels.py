@@ -290,17 +290,24 @@ def _pad_buffer(W, r, mode, dtype_like):
 
 
 @nb.njit(cache=True, fastmath=True, inline="always")
-def _row_filter_reflect(src, ring, slot, taps, pad):
-    """:func:`_row_filter` with reflect padding only (the SSIM kernel's blur: one stencil call site less)."""
+def _fill_pad(src, pad, r, reflect):
+    """The row ``src`` into the middle of ``pad`` (``r`` either side), the borders mirrored with ``reflect``
+    (else left zero)."""
     W = src.shape[0]
-    r = (taps.shape[0] - 1) // 2
-    mid = pad[r:r + W]
+    mid = pad[r:r + W]  # a slice, not an offset index: see the stencils' note on indices
     for j in range(W):
         mid[j] = src[j]
-    for q in range(1, r + 1):
-        pad[r - q] = src[q]
-        pad[r + W - 1 + q] = src[W - 1 - q]
-    _ring_stencil(pad, ring, slot, taps, W)
+    if reflect:
+        for q in range(1, r + 1):
+            pad[r - q] = src[q]
+            pad[r + W - 1 + q] = src[W - 1 - q]
+
+
+@nb.njit(cache=True, fastmath=True, inline="always")
+def _row_filter_reflect(src, ring, slot, taps, pad):
+    """:func:`_row_filter` with reflect padding only (the SSIM kernel's blur: one stencil call site less)."""
+    _fill_pad(src, pad, (taps.shape[0] - 1) // 2, True)
+    _ring_stencil(pad, ring, slot, taps, src.shape[0])
 
 
 @nb.njit(cache=True, fastmath=True, inline="always")
@@ -314,9 +321,7 @@ def _row_filter(src, ring, slot, taps, mode, pad, tmp):
         # adjoint of "reflect-pad, then stencil": the (reversed) stencil over the row zero-padded by 2r gives
         # the gradient of every padded position, then the mirrored ones are added back to their pixels
         dst = ring[slot]
-        mid = pad[2 * r:2 * r + W]  # a slice, not an offset index: see the stencils' note on indices
-        for j in range(W):
-            mid[j] = src[j]
+        _fill_pad(src, pad, 2 * r, False)
         _row_stencil(pad, tmp, taps, W + 2 * r)
         inner = tmp[r:r + W]
         for j in range(W):
@@ -326,13 +331,7 @@ def _row_filter(src, ring, slot, taps, mode, pad, tmp):
             dst[W - 1 - q] += tmp[r + W - 1 + q]
         _ring_dup(ring, slot)
         return
-    mid = pad[r:r + W]
-    for j in range(W):
-        mid[j] = src[j]
-    if mode == REFLECT:
-        for q in range(1, r + 1):
-            pad[r - q] = src[q]
-            pad[r + W - 1 + q] = src[W - 1 - q]
+    _fill_pad(src, pad, r, mode == REFLECT)
     _ring_stencil(pad, ring, slot, taps, W)
 
 

@@ -113,7 +113,7 @@ def _planes(t: Tensor) -> np.ndarray:
 def _plane_view(t: Tensor) -> np.ndarray:
     """``[1, C, H, W]`` tensor -> ``[C, H, W]`` numpy view in whatever layout it has (the training render and
     target are ``[H, W, 3]`` images seen through ``permute``), for kernels that read each row through a copy of
-    their own (:func:`._filter_kernels.separable_filter`); other batch sizes go through :func:`_planes`."""
+    their own (:func:`._filter_kernels.ssim_fused`); other batch sizes go through :func:`_planes`."""
     if t.shape[0] != 1 or min(t.stride()) < 0:
         return _planes(t)
     return t.detach()[0].numpy()
@@ -124,10 +124,22 @@ def _is_hwc(t: Tensor) -> bool:
     return t.shape[0] == 1 and t[0].permute(1, 2, 0).is_contiguous() and not t.is_contiguous()
 
 
+def _grad_tensor(arr: np.ndarray, hwc: bool, shape) -> Tensor:
+    """A kernel's gradient as the input's ``[B, C, H, W]`` gradient: ``arr`` laid out ``[H, W, C]`` for an input
+    that is a view of such an image (``hwc``), else ``[B * C, H, W]`` planes."""
+    t = torch.from_numpy(arr)
+    return t.permute(2, 0, 1)[None] if hwc else t.view(shape)
+
+
 def _dtype_name(t: Tensor) -> str:
     if t.dtype not in (torch.float32, torch.float64):
         raise TypeError(f"CPU filters take float32 or float64 images, got {t.dtype}")
     return "float32" if t.dtype == torch.float32 else "float64"
+
+
+# :func:`._filter_kernels.ssim_fused`'s blur arguments for "no blur", per dtype
+_NO_BLUR = {dt: (np.empty(0, dtype=dt), np.empty((0, 0), dtype=dt), np.empty(0, dtype=np.int64), 0, 0)
+            for dt in ("float32", "float64")}
 
 
 def _ssim_kernel(xn: np.ndarray, yn: np.ndarray, want_x: bool, want_y: bool, want_sign: bool = False,
@@ -146,11 +158,6 @@ def _ssim_kernel(xn: np.ndarray, yn: np.ndarray, want_x: bool, want_y: bool, wan
         bbh, bsh, blo, bhi = _bands(H, int(blur[1]), float(blur[0]), "reflect", False, dt)
     return K.ssim_fused(xn, yn, _taps(WINDOW // 2, SIGMA, dt), bh, sh, lo, hi, bt, bbh, bsh, blo, bhi, want_x,
                         want_y, want_sign, *row_segments(xn.shape[0], H))
-
-
-# :func:`._filter_kernels.ssim_fused`'s blur arguments for "no blur", per dtype
-_NO_BLUR = {dt: (np.empty(0, dtype=dt), np.empty((0, 0), dtype=dt), np.empty(0, dtype=np.int64), 0, 0)
-            for dt in ("float32", "float64")}
 
 
 def _blur_kernel(a: np.ndarray, b: np.ndarray | None, sigma_px: float, radius: int, transpose: bool,
@@ -222,8 +229,7 @@ class SSIMCPU(torch.autograd.Function):
             if not ctx.needs_input_grad[i]:
                 out.append(None)
                 continue
-            arr = torch.from_numpy(K.add_sign_grad(g, sgn, a, sb, ctx.hwc[i]))
-            out.append(arr.permute(2, 0, 1)[None] if ctx.hwc[i] else arr.view(ctx.shape))
+            out.append(_grad_tensor(K.add_sign_grad(g, sgn, a, sb, ctx.hwc[i]), ctx.hwc[i], ctx.shape))
         return out[0], out[1], None
 
 
@@ -302,8 +308,7 @@ class BlurredL1SSIMCPU(torch.autograd.Function):
         sigma_px, radius, shape, hwc = ctx.params
         n = gx.size
         out, _ = _blur_kernel(gx, None, sigma_px, radius, True, sgn, float(g_ssim) / n, float(g_l1) / n, hwc)
-        grad = torch.from_numpy(out).permute(2, 0, 1)[None] if hwc else torch.from_numpy(out).view(shape)
-        return grad, None, None, None, None
+        return _grad_tensor(out, hwc, shape), None, None, None, None
 
 
 def _blur_is_identity(img: Tensor, sigma_px: float, radius: int) -> bool:
