@@ -60,6 +60,8 @@ def prepare(work: Path, threads: int) -> tuple[Path, Path, dict]:
     params = load_params(ROOT / "params.yaml")
     raw, und, split_json = work / "raw", work / "undistorted", work / "split.json"
     sfm_json = work / "sfm.json"
+    if sfm_json.exists() and split_json.exists() and (und / "images").exists():
+        return und, split_json, json.loads(sfm_json.read_text())  # prepared earlier (or carried to a GPU machine)
     if not (raw / "images").exists():
         t = time.perf_counter()
         write_scene(raw, n_views=36, width=800, height=600, arc_deg=360.0)

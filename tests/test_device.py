@@ -164,7 +164,7 @@ def test_cpu_and_cuda_rasterizers_agree():
     K = torch.tensor([[[60.0, 0, 32], [0, 60.0, 24], [0, 0, 1]]])
     out = {}
     for backend, dev in (("cpu", "cpu"), ("cuda", "cuda")):
-        ins = [t.to(dev).requires_grad_() for t in (means, quats, scales, opac, sh)]
+        ins = [t.detach().to(dev).requires_grad_() for t in (means, quats, scales, opac, sh)]  # fresh leaves
         img, _, _ = rasterize(*ins, view.to(dev), K.to(dev), W, H, sh_degree=3, backend=backend)
         (img * torch.linspace(0, 1, 3, device=dev)).sum().backward()
         out[backend] = (img.detach().cpu(), [t.grad.cpu() for t in ins])
@@ -180,9 +180,15 @@ def test_tiny_training_on_cuda(scene, tmp_path, strategy):
     from splatflow.train import Trainer
 
     cfg = _cfg(strategy, steps=200, backend="cuda")
-    res = Trainer(scene, cfg, ckpt_path=tmp_path / "c.pt").run()
+    # one opacity reset (step 60) with time to recover: _cfg's reset every 20 steps up to step 180 leaves the
+    # model at ~12 dB on either backend (measured on a GPU, 2026-11-26)
+    cfg = replace(cfg, densify=replace(cfg.densify, reset_every=60, refine_stop_fraction=0.6))
+    res = Trainer(scene, cfg, ckpt_path=tmp_path / "c.pt", seed=0).run()
     assert res.device["backend"] == "cuda" and res.device["gpu_peak_allocated_mib"] > 0
     assert res.val_psnr is not None and res.val_psnr > 18.0
+    # the same run on the CPU backend lands within rounding-driven drift of the GPU's
+    cpu = Trainer(scene, replace(cfg, backend="cpu"), seed=0).run()
+    assert abs(res.val_psnr - cpu.val_psnr) < 1.5, (res.val_psnr, cpu.val_psnr)
     # trained on the GPU, resumed/evaluated on the CPU: the checkpoint is host tensors
     ckpt = load_checkpoint(tmp_path / "c.pt")
     assert all(v.device.type == "cpu" for v in ckpt["splats"].values())

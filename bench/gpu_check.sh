@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The GPU checks in one go, on a machine with an NVIDIA GPU (CI machines have none, so CI never runs this):
+#   1. gsplat's CUDA kernels are built (JIT, once) while the CPU kernels compile beside them;
+#   2. the CUDA tests (`pytest -m cuda`; the DVC whole-pipeline one only with RUN_PIPELINE=1: it needs the full
+#      install with dvc and mlflow);
+#   3. bench/gpu.py: default params on the 36-view 800x600 benchmark scene, with the CPU/CUDA steps/s ratio.
+# Each phase has a time limit and its log is kept, so a failure in one leaves the others' figures.
+#
+#   bash bench/gpu_check.sh [OUTDIR]        (default bench/out/gpu; PYTHON=... picks the interpreter,
+#                                            GPU_WORK=... the benchmark's scene folder, reused when prepared)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-bench/out/gpu}
+mkdir -p "$out"
+py=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
+work=${GPU_WORK:-/tmp/splatflow_gpu_bench}
+export OMP_WAIT_POLICY=PASSIVE PYTHONUNBUFFERED=1 SPLATFLOW_TRACKING=off
+export MAX_JOBS=${MAX_JOBS:-$(nproc)}
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$($py -c \
+  "import torch; print('%d.%d' % torch.cuda.get_device_capability())" 2>/dev/null || echo "")}
+stamp() { date +%s; }
+
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  $py -c "import sys, torch, numpy, numba; print('python', sys.version.split()[0], '| torch', torch.__version__,
+'cuda', torch.version.cuda, '| numpy', numpy.__version__, '| numba', numba.__version__)"
+  command -v nvcc >/dev/null && nvcc --version | tail -2
+  echo "cpus $(nproc), TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST MAX_JOBS=$MAX_JOBS"
+} 2>&1 | tee "$out/env.txt"
+
+# 1. gsplat's kernels, and the CPU training step's kernels (numba, to its on-disk cache) compiled beside them
+(timeout 400 $py bench/train_step.py --cases 2K@240x135 --steps 3 --threads 4 > "$out/cpu_warmup.log" 2>&1) &
+t=$(stamp)
+timeout ${BUILD_TIMEOUT:-400} $py -c "from splatflow.device import check_gsplat_cuda; check_gsplat_cuda()" \
+  > "$out/gsplat_build.log" 2>&1
+rc=$?
+echo "gsplat kernels: rc=$rc in $(( $(stamp) - t )) s" | tee -a "$out/summary.txt"
+tail -5 "$out/gsplat_build.log"
+wait
+cat "$out/cpu_warmup.log"
+[ $rc -eq 0 ] || { echo "gsplat's kernels did not build: see $out/gsplat_build.log"; exit 1; }
+
+# 2. the CUDA tests
+sel="not whole_pipeline"; [ "${RUN_PIPELINE:-0}" = 1 ] && sel=""
+t=$(stamp)
+timeout ${TEST_TIMEOUT:-240} $py -m pytest -m cuda -q -p no:cacheprovider -o addopts="" -k "$sel" \
+  tests/test_device.py tests/test_render.py tests/test_ssim.py > "$out/pytest_cuda.log" 2>&1
+echo "CUDA tests: rc=$? in $(( $(stamp) - t )) s: $(tail -1 "$out/pytest_cuda.log")" | tee -a "$out/summary.txt"
+
+# 3. the benchmark
+t=$(stamp)
+timeout ${BENCH_TIMEOUT:-300} $py bench/gpu.py --work "$work" --json "$out/gpu.json" --compare-cpu \
+  --threads "$(nproc)" ${BENCH_ARGS:-} > "$out/gpu_bench.log" 2>&1
+echo "bench/gpu.py: rc=$? in $(( $(stamp) - t )) s" | tee -a "$out/summary.txt"
+grep -v "it/s\]$" "$out/gpu_bench.log" | tail -8
+cat "$out/summary.txt"
