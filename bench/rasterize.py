@@ -26,8 +26,7 @@ import sys
 import tempfile
 import time
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
+import splatflow  # noqa: E402,F401  (first: its process defaults for OpenMP and numba's cache)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 

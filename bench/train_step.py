@@ -43,12 +43,12 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("SPLATFLOW_TRACKING", "off")
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the checkout this script is in, not whichever one is installed
 
+import splatflow  # noqa: E402,F401  (first: its process defaults for OpenMP and numba's cache)
 import cv2  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402

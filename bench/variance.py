@@ -21,12 +21,12 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("SPLATFLOW_TRACKING", "off")
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import splatflow  # noqa: E402,F401  (first: its process defaults for OpenMP and numba's cache)
 import numpy as np  # noqa: E402
 
 
