@@ -349,6 +349,12 @@ class Trainer:
         self.resumed_from = self.step if self.try_resume() else None
         self.sink.start(self.step)
         start_step = self.step
+        if self.run_device.backend == "cpu":  # a first run after an install or a kernel change: on two cores
+            import numba
+
+            from splatflow.train.precompile import precompile
+
+            precompile(numba.get_num_threads())
         initial_psnr = self.validate() if self.step == 0 and cfg.early_stop.enabled else None
         old_handler = self._install_sigterm()
         pbar = _progress(cfg.progress, cfg.max_steps, self.step)

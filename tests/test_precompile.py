@@ -1,0 +1,47 @@
+"""The first-run compile on two cores (splatflow.train.precompile): when it runs and when it stays out of the way.
+
+Its real work (about a minute of compiling into an empty numba cache) runs in CI anyway: a fresh clone's first
+CPU training test finds the cache empty. These tests check the decision around it.
+"""
+
+from __future__ import annotations
+
+from splatflow.train import precompile as P
+
+
+def _touch_index(folder, names):
+    d = folder / "splatflow_render"
+    d.mkdir(parents=True, exist_ok=True)
+    for i, name in enumerate(names):
+        (d / f"{name}-{100 + i}.py311.nbi").write_bytes(b"")
+
+
+def test_cached_needs_every_kernel_of_the_list(tmp_path):
+    assert not P.cached(P.LOSS_KERNELS, tmp_path)  # an empty cache
+    _touch_index(tmp_path, P.LOSS_KERNELS[:1])
+    assert not P.cached(P.LOSS_KERNELS, tmp_path)  # one of two
+    _touch_index(tmp_path, P.LOSS_KERNELS)
+    assert P.cached(P.LOSS_KERNELS, tmp_path)
+    assert not P.cached(P.STEP_KERNELS, tmp_path)
+
+
+def test_nothing_is_compiled_when_cached_or_on_one_thread(tmp_path, monkeypatch):
+    spawned = []
+    monkeypatch.setattr(P.subprocess, "Popen", lambda *a, **k: spawned.append(a))
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path))
+    assert P.precompile(1) is None  # one thread: nothing to run beside it
+    _touch_index(tmp_path, P.LOSS_KERNELS + P.STEP_KERNELS)
+    assert P.precompile(2) is None  # all cached
+    monkeypatch.delenv("NUMBA_CACHE_DIR")
+    assert P.precompile(2) is None  # numba's default cache location: left to numba
+    assert spawned == []
+
+
+def test_the_training_kernels_are_the_ones_a_cpu_step_compiles():
+    """Every kernel named in the lists exists in the modules (a renamed kernel would make the check always false,
+    and every run would start a compile process for nothing)."""
+    import importlib
+
+    for name in P.LOSS_KERNELS + P.STEP_KERNELS:
+        module, func = name.split(".")
+        assert hasattr(importlib.import_module(f"splatflow.render.{module}"), func), name
