@@ -3,8 +3,8 @@
 Trains with the DEFAULT ``train`` params on CUDA (``backend: cuda``: gsplat's kernels, every tensor on the GPU),
 then renders the test views on the GPU and prints wall time, steps/s, test PSNR, Gaussians and peak GPU memory
 (allocated and reserved). With ``--compare-cpu`` it also runs the first ``--cpu-steps`` steps of the same run on
-the CUDA and the CPU backend and prints the steps/s ratio measured in this one run. On a machine without a GPU it says so and exits 0
-without figures (so a CPU-only CI can call it).
+the CUDA and the CPU backend and prints the steps/s ratio measured in this one run. On a machine without a GPU
+it says so and exits 0 without figures (so a CPU-only CI can call it).
 
     python bench/gpu.py [--work DIR] [--json PATH] [--max-steps N] [--compare-cpu] [--cpu-steps 1000]
 """
