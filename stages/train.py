@@ -54,6 +54,8 @@ def run(params: Params, paths: ScenePaths) -> dict:
         "stopped": res.stopped,
         "gaussians": int(res.splats["means"].shape[0]),
         "train_seconds": round(res.train_seconds, 3),
+        # the CPU kernels compiled before the first step (a first run after an install or a kernel change)
+        "compile_seconds": None if res.compile_seconds is None else round(res.compile_seconds, 1),
         "it_per_s": round(res.it_per_s, 3),
         "peak_rss_mb": round(peak_rss_mb, 1),
         "val_psnr": None if res.val_psnr is None else round(res.val_psnr, 4),

@@ -74,6 +74,9 @@ class TrainResult:
     resumed_from: int | None = None  # step of the unfinished checkpoint this run continued, if any
     device: dict = field(default_factory=dict)  # splatflow.device.run_record: what ran, peak GPU memory
     prune_during: dict | None = None  # train.prune_during's report (PruneDuring.report), when it ran
+    # numba compiling the CPU kernels before the first step (splatflow.train.precompile; not in train_seconds),
+    # None when they were cached or the run is on a GPU
+    compile_seconds: float | None = None
 
 
 def _render_psnr(rgb: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None) -> float:
@@ -103,6 +106,7 @@ class Trainer:
         self.ckpt_path = Path(ckpt_path) if ckpt_path else None
         self.sink = MetricsSink(csv_path, step_logger)  # plots/S/train.csv, the log and the tracking step logger
         self.stop_after = stop_after
+        self.compile_seconds: float | None = None  # set by run() when it compiled the CPU kernels first
         self.loss_fn: Callable = photometric_loss
         self.views = list(scene.train_views)
         self.cache = ImageCache(self.views, cfg.image_cache_mb)
@@ -354,7 +358,7 @@ class Trainer:
 
             from splatflow.train.precompile import precompile
 
-            precompile(numba.get_num_threads())
+            self.compile_seconds = precompile(numba.get_num_threads())
         initial_psnr = self.validate() if self.step == 0 and cfg.early_stop.enabled else None
         old_handler = self._install_sigterm()
         pbar = _progress(cfg.progress, cfg.max_steps, self.step)
@@ -430,7 +434,8 @@ class Trainer:
                            it_per_s=done / max(self.elapsed_s - t_start, 1e-9) if done else 0.0,
                            val_psnr=self.val_psnr, events=list(self.events), initial_psnr=initial_psnr,
                            resumed_from=self.resumed_from, device=run_record(self.run_device),
-                           prune_during=self.pruner.report() if self.pruner is not None else None)
+                           prune_during=self.pruner.report() if self.pruner is not None else None,
+                           compile_seconds=self.compile_seconds)
 
     def _install_sigterm(self):
         """SIGTERM belongs to the stage shell (:mod:`splatflow.stop`); the loop only polls its flag, so it can
