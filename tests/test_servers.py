@@ -32,7 +32,11 @@ def test_two_scene_batch_on_two_workers(stack, tmp_path):
     pool = "splatflow-test"
     ensure_pool(pool)
     deploy_scene(toy, pool)
-    worker_env = {"MLFLOW_TRACKING_URI": stack["mlflow"].url, "SPLATFLOW_TRACKING": "on"}
+    # workers poll every second (Prefect's default is 10 s): a toy flow run takes ~8 s, and once a CI run saw the
+    # second worker's first poll lose the race for run a and its next poll come after run a had finished, so the
+    # first worker ran both (2026-11-26)
+    worker_env = {"MLFLOW_TRACKING_URI": stack["mlflow"].url, "SPLATFLOW_TRACKING": "on",
+                  "PREFECT_WORKER_QUERY_SECONDS": "1"}
     workers = [servers.start_worker(pool, api_url=stack["api"], name=f"w{i}", limit=1, log_dir=tmp_path,
                                     cwd=toy, extra_env=worker_env) for i in range(2)]
     stack["started"].extend(workers)
