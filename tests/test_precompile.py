@@ -54,7 +54,7 @@ def test_a_cpu_run_compiles_first_and_reports_the_seconds(monkeypatch, tmp_path)
     from tests._tiny import write_tiny_scene
 
     calls = []
-    monkeypatch.setattr(P, "precompile", lambda threads, **kw: calls.append(threads) or 12.5)
+    monkeypatch.setattr(P, "precompile", lambda threads: calls.append(threads) or 12.5)
     d = write_tiny_scene(tmp_path / "s", width=32, height=24, n_points=200)
     res = Trainer(load_scene(d, d / "split.json"), TrainConfig(max_steps=3, backend="cpu", progress=False)).run()
     assert len(calls) == 1 and calls[0] >= 1  # once, before the first step, with the run's thread count

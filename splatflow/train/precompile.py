@@ -88,15 +88,14 @@ def compile_step_kernels() -> None:
     adam.flush(params, optimizers)
 
 
-def precompile(threads: int, *, log=None) -> float | None:
+def precompile(threads: int) -> float | None:
     """Compile the CPU training kernels on two cores when numba's cache lacks them (see the module docstring);
     return the seconds it took, or None when there was nothing to do (cached, or a single thread)."""
     if threads < 2 or (cached(LOSS_KERNELS) and cached(STEP_KERNELS)):
         return None
     t0 = time.perf_counter()
-    msg = ("compiling the CPU kernels on two cores (once after an install or a kernel change; about a minute, "
-           "then they load from numba's cache in seconds)")
-    (log or (lambda m: print(m, file=sys.stderr, flush=True)))(msg)
+    print("compiling the CPU kernels on two cores (once after an install or a kernel change; about a minute, "
+          "then they load from numba's cache in seconds)", file=sys.stderr, flush=True)
     import splatflow
 
     # the same splatflow as this process (a bench run from another checkout puts its own first on sys.path), and
