@@ -7,7 +7,9 @@
 # Each phase has a time limit and its log is kept, so a failure in one leaves the others' figures.
 #
 #   bash bench/gpu_check.sh [OUTDIR]        (default bench/out/gpu; PYTHON=... picks the interpreter,
-#                                            GPU_WORK=... the benchmark's scene folder, reused when prepared)
+#                                            GPU_WORK=... the benchmark's scene folder, reused when prepared,
+#                                            PHASES="build tests bench" which phases run, BENCH_ARGS=... more
+#                                            bench/gpu.py arguments, e.g. "--profile-at 5210")
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-bench/out/gpu}
@@ -19,6 +21,7 @@ export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$($py -c \
   "import torch; print('%d.%d' % torch.cuda.get_device_capability())" 2>/dev/null || echo "")}
 stamp() { date +%s; }
+want() { case " ${PHASES:-build tests bench} " in *" $1 "*) return 0;; esac; return 1; }
 
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
@@ -29,6 +32,7 @@ stamp() { date +%s; }
 } 2>&1 | tee "$out/env.txt"
 
 # 1. gsplat's kernels, and the CPU training step's kernels (numba, to its on-disk cache) compiled beside them
+# (the build phase is needed by the others; on a machine that built them already it takes seconds)
 (timeout 400 $py bench/train_step.py --cases 2K@240x135 --steps 3 --threads 4 > "$out/cpu_warmup.log" 2>&1) &
 t=$(stamp)
 timeout ${BUILD_TIMEOUT:-400} $py -c "from splatflow.device import check_gsplat_cuda; check_gsplat_cuda()" \
@@ -41,16 +45,21 @@ cat "$out/cpu_warmup.log"
 [ $rc -eq 0 ] || { echo "gsplat's kernels did not build: see $out/gsplat_build.log"; exit 1; }
 
 # 2. the CUDA tests
+if want tests; then
 sel="not whole_pipeline"; [ "${RUN_PIPELINE:-0}" = 1 ] && sel=""
 t=$(stamp)
-timeout ${TEST_TIMEOUT:-240} $py -m pytest -m cuda -q -p no:cacheprovider -o addopts="" -k "$sel" \
+timeout ${TEST_TIMEOUT:-240} $py -m pytest -m cuda -q -rA -p no:cacheprovider -o addopts="" -k "$sel" \
   tests/test_device.py tests/test_render.py tests/test_ssim.py > "$out/pytest_cuda.log" 2>&1
 echo "CUDA tests: rc=$? in $(( $(stamp) - t )) s: $(tail -1 "$out/pytest_cuda.log")" | tee -a "$out/summary.txt"
+grep -E "PASS|FAIL|ERROR|SKIP" "$out/pytest_cuda.log" | tail -12
+fi
 
 # 3. the benchmark
+if want bench; then
 t=$(stamp)
 timeout ${BENCH_TIMEOUT:-300} $py bench/gpu.py --work "$work" --json "$out/gpu.json" --compare-cpu \
   --threads "$(nproc)" ${BENCH_ARGS:-} > "$out/gpu_bench.log" 2>&1
 echo "bench/gpu.py: rc=$? in $(( $(stamp) - t )) s" | tee -a "$out/summary.txt"
-grep -v "it/s\]$" "$out/gpu_bench.log" | tail -8
+grep -v "it/s\]$" "$out/gpu_bench.log" | tail -45
+fi
 cat "$out/summary.txt"

@@ -92,6 +92,27 @@ def test_psnr(splats, sh_degree, views) -> list[float]:
     return out
 
 
+def train_config(max_steps: int | None = None, sets: list[str] | tuple = ()):
+    """``params.yaml``'s ``train`` section with ``max_steps`` and ``key=value`` overrides (dotted keys into the
+    section, YAML values, e.g. ``densify.max_gaussians=400000``), validated like params.yaml itself."""
+    import yaml
+
+    from splatflow.config import params_from_dict
+
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    tr = raw["train"]
+    if max_steps:
+        tr["max_steps"] = max_steps
+    for item in sets:
+        key, val = item.split("=", 1)
+        d = tr
+        *parents, leaf = key.split(".")
+        for p in parents:
+            d = d[p]
+        d[leaf] = yaml.safe_load(val)
+    return params_from_dict(raw).train
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--work", type=Path, default=Path("/tmp/splatflow_train_demo"))
@@ -111,7 +132,7 @@ def main(argv=None):
                     help="only measure test PSNR of a checkpoint (e.g. one saved on SIGTERM) and print its step")
     args = ap.parse_args(argv)
 
-    from splatflow.config import load_params, params_from_dict
+    from splatflow.config import load_params
     from splatflow.render import configure_threads
     from splatflow.scene.dataset import load_scene
     from splatflow.train import train
@@ -130,24 +151,7 @@ def main(argv=None):
               f"Gaussians, SH degree {deg}, training {ck.get('elapsed_seconds', 0):.0f} s: test PSNR "
               f"{np.mean(psnrs):.2f} dB (per view: {', '.join(f'{p:.2f}' for p in psnrs)})")
         return {"psnr_test": float(np.mean(psnrs)), "steps": int(ck["step"])}
-    cfg = load_params(ROOT / "params.yaml").train
-    if args.max_steps:
-        cfg = replace(cfg, max_steps=args.max_steps)
-    if args.set:
-        import yaml
-
-        raw = yaml.safe_load((ROOT / "params.yaml").read_text())
-        tr = raw["train"]
-        if args.max_steps:
-            tr["max_steps"] = args.max_steps
-        for item in args.set:
-            key, val = item.split("=", 1)
-            d = tr
-            *parents, leaf = key.split(".")
-            for p in parents:
-                d = d[p]
-            d[leaf] = yaml.safe_load(val)
-        cfg = params_from_dict(raw).train
+    cfg = train_config(args.max_steps, args.set)
     print(f"scene: {len(scene.train_views)} train / {len(scene.test_views)} test views, {len(scene.points)} SfM "
           f"points; {cfg.max_steps} steps, strategy {cfg.densify.strategy}", flush=True)
     ckpt = args.work / f"{args.name}.pt"
