@@ -299,7 +299,7 @@ def checkpoint_case(work: Path, ckpt: Path, step: int | None, steps: int, profil
     r = time_steps(tr, steps, profile)
     w, h = tr.cache.shape(0, tr.sched.resolution.factor(tr.step))
     return dict(r, name=f"{ckpt.name}@{tr.step}{'' if sparse else ' dense'}", sparse=sparse, gaussians=tr.params["means"].shape[0], width=w, height=h,
-                blur_sigma=tr.sched.blur.sigma(tr.step), patch_max_pixels=tr.cfg.patch_max_pixels)
+                blur_sigma=tr.sched.blur.sigma(tr.step), patch_max_pixels=tr.window_pixels)
 
 
 def _shares(seconds: dict, total_s: float, steps: int) -> dict:

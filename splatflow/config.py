@@ -21,6 +21,9 @@ from typing import Any, Literal
 
 import yaml
 
+# train.patch_max_pixels "auto" on the CPU backend: the window area a 2-core step was tuned for (RESULTS.md)
+CPU_WINDOW_PIXELS = 60000
+
 
 class ConfigError(ValueError):
     """A params.yaml value that is unknown, of the wrong type or out of range."""
@@ -367,8 +370,9 @@ class TrainConfig:
     ssim_lambda: float = 0.2  # loss = (1 - l) L1 + l (1 - SSIM)
     random_background: bool = False
     # pixels rendered per step: a level with more pixels trains on a random window of this area (same aspect,
-    # full detail) instead of the whole image; 0 = always whole images
-    patch_max_pixels: int = 60000
+    # full detail) instead of the whole image; 0 = always whole images; "auto" = CPU_WINDOW_PIXELS on the CPU
+    # backend, whole images on CUDA (a GPU step is launch-bound: windows only cost it quality; see window_pixels)
+    patch_max_pixels: int | Literal["auto"] = "auto"
     # a lower-resolution level (factor f < 1) trains on windows of patch_max_pixels / f^exponent pixels (whole images
     # once that exceeds the level): its steps cost little more and see more of the scene; 0 = the same area at every
     # level (bench/RESULTS.md "Training", session 8: exponent 1 gained 0.7 dB at the same training time)
@@ -402,8 +406,8 @@ class TrainConfig:
         check(0.0 < self.init_opacity < 1.0, "train.init_opacity", "a number in (0, 1)", self.init_opacity)
         check(self.init_scale > 0, "train.init_scale", "a number > 0", self.init_scale)
         check(0.0 <= self.ssim_lambda <= 1.0, "train.ssim_lambda", "a number in [0, 1]", self.ssim_lambda)
-        check(self.patch_max_pixels == 0 or self.patch_max_pixels >= 1024, "train.patch_max_pixels",
-              "0 (whole images) or an integer >= 1024", self.patch_max_pixels)
+        check(self.patch_max_pixels == "auto" or self.patch_max_pixels == 0 or self.patch_max_pixels >= 1024,
+              "train.patch_max_pixels", "auto, 0 (whole images) or an integer >= 1024", self.patch_max_pixels)
         check(0.0 <= self.patch_level_exponent <= 4.0, "train.patch_level_exponent", "a number in [0, 4]",
               self.patch_level_exponent)
         check(len(self.resolution) >= 1, "train.resolution", "a non-empty list of phases", self.resolution)
@@ -421,6 +425,16 @@ class TrainConfig:
               or pd.start_fraction >= self.densify.refine_stop_fraction, "train.prune_during.start_fraction",
               f"a fraction >= train.densify.refine_stop_fraction ({self.densify.refine_stop_fraction})",
               pd.start_fraction)
+
+    def window_pixels(self, backend: str) -> int:
+        """The window area a run on ``backend`` ("cpu", "cuda", "torch") trains on: ``patch_max_pixels``, with
+        "auto" resolved per backend. On the CPU a step's cost grows with its pixels, so 60K-pixel windows buy more
+        steps per minute (bench/RESULTS.md "Training", session 8); a GPU step is bound by its ~180 kernel launches,
+        not its pixels, so windows only cost it quality: whole images on an H100 trained the 36-view benchmark
+        scene to 30.56-30.57 dB in 39-40 s against 29.84-30.12 dB in 52-59 s with windows (RESULTS "GPU path")."""
+        if self.patch_max_pixels == "auto":
+            return 0 if backend == "cuda" else CPU_WINDOW_PIXELS
+        return int(self.patch_max_pixels)
 
 
 @dataclass(frozen=True)

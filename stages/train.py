@@ -63,6 +63,7 @@ def run(params: Params, paths: ScenePaths) -> dict:
         "resumed_from": res.resumed_from,
         "device": res.device,  # backend, device name, versions, peak GPU memory (null on the CPU)
         "resolution": resolution,
+        "window_pixels": res.window_pixels,  # train.patch_max_pixels as resolved for the backend (0 = whole images)
         "prune_during": res.prune_during,  # train.prune_during's cuts (null when off)
     }
 

@@ -301,6 +301,25 @@ def test_coarse_levels_train_on_larger_windows(scene):
         params_from_dict({"train": {"patch_level_exponent": -1}})
 
 
+def test_auto_windows_are_the_cpu_budget_and_whole_images_on_cuda(scene):
+    """``train.patch_max_pixels: auto`` (the default) = CPU_WINDOW_PIXELS-pixel windows on the CPU backend and whole
+    images on CUDA, whose step is launch-bound (bench/RESULTS.md "GPU path"); an integer means the same on every
+    backend; anything else is rejected naming the key. The trainer keeps what it resolved for its backend."""
+    from splatflow.config import CPU_WINDOW_PIXELS, ConfigError, load_params
+
+    auto = params_from_dict({}).train
+    assert auto.patch_max_pixels == "auto" and load_params(ROOT / "params.yaml").train.patch_max_pixels == "auto"
+    assert auto.window_pixels("cpu") == auto.window_pixels("torch") == CPU_WINDOW_PIXELS == 60000
+    assert auto.window_pixels("cuda") == 0
+    fixed = params_from_dict({"train": {"patch_max_pixels": 5000}}).train
+    assert fixed.window_pixels("cpu") == fixed.window_pixels("cuda") == 5000
+    for bad in ("whole", 500, 1.5):
+        with pytest.raises(ConfigError, match="train.patch_max_pixels"):
+            params_from_dict({"train": {"patch_max_pixels": bad}})
+    assert Trainer(scene, small_cfg(patch_max_pixels="auto"), seed=0).window_pixels == 60000
+    assert Trainer(scene, small_cfg(patch_max_pixels=1200), seed=0).window_pixels == 1200
+
+
 def test_patch_training_learns(scene):
     """Training on windows of a quarter of each view (a quarter of the pixels per step) still fits the held-out
     views: the same 300 steps as the whole-view test above lift them by more than 3 dB."""

@@ -77,6 +77,7 @@ class TrainResult:
     # numba compiling the CPU kernels before the first step (splatflow.train.precompile; not in train_seconds),
     # None when they were cached or the run is on a GPU
     compile_seconds: float | None = None
+    window_pixels: int = 0  # train.patch_max_pixels as this run resolved it (0 = whole images)
 
 
 def _render_psnr(rgb: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None) -> float:
@@ -123,6 +124,7 @@ class Trainer:
         # CPU: rows in Morton order of position, kept so after every densification event (splatflow.train.rows);
         # splats handed in keep the caller's order until the first event
         self.spatial_order = cfg.spatial_order and self.run_device.backend == "cpu"
+        self.window_pixels = cfg.window_pixels(self.run_device.backend)  # train.patch_max_pixels, "auto" resolved
         if splats is None:
             splats = init_splats(scene.points, scene.colors, sh_degree=cfg.sh_degree,
                                  init_opacity=cfg.init_opacity, init_scale=cfg.init_scale)
@@ -183,7 +185,7 @@ class Trainer:
         from splatflow.render import rasterize
 
         w, h = self.cache.shape(i, factor)
-        budget = level_budget(self.cfg.patch_max_pixels, factor, self.cfg.patch_level_exponent)
+        budget = level_budget(self.window_pixels, factor, self.cfg.patch_level_exponent)
         win = patch_window(w, h, budget) if patch else None
         # only the window's pixels are converted and uploaded; K is the whole level's
         target, K = self.cache.get(i, factor, device=self.device, window=win)
@@ -435,7 +437,7 @@ class Trainer:
                            val_psnr=self.val_psnr, events=list(self.events), initial_psnr=initial_psnr,
                            resumed_from=self.resumed_from, device=run_record(self.run_device),
                            prune_during=self.pruner.report() if self.pruner is not None else None,
-                           compile_seconds=self.compile_seconds)
+                           compile_seconds=self.compile_seconds, window_pixels=self.window_pixels)
 
     def _install_sigterm(self):
         """SIGTERM belongs to the stage shell (:mod:`splatflow.stop`); the loop only polls its flag, so it can
