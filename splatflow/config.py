@@ -151,6 +151,10 @@ class SfmConfig:
     max_num_features: int = 8192
     min_registered_fraction: float = 0.8  # fewer registered images than this fraction fails the stage
     refine_principal_point: bool = False
+    # COLMAP's feature extraction, matching and mapping on several threads give a slightly different model from
+    # run to run (the demo: 3794-3803 points, then 26.10-26.37 dB after training; bench/RESULTS.md). true: they run
+    # on one thread, and a rerun gives the same model (slower on large captures); undistortion keeps base.threads
+    deterministic: bool = False
 
     def __post_init__(self):
         check(self.exhaustive_max_images >= 2, "sfm.exhaustive_max_images", "an integer >= 2",

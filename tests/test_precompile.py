@@ -25,13 +25,33 @@ def test_cached_needs_every_kernel_of_the_list(tmp_path):
     assert not P.cached(P.STEP_KERNELS, tmp_path)
 
 
-def test_nothing_is_compiled_when_cached_or_on_one_thread(tmp_path, monkeypatch):
+class _FakeHelper:
+    def __init__(self, args, **kwargs):
+        self.code = args[-1]  # the `python -c` program
+
+    def wait(self):
+        return 0
+
+    def poll(self):
+        return 0
+
+
+def test_helpers_compile_only_when_the_cache_lacks_kernels(tmp_path, monkeypatch):
+    """Nothing runs when every kernel is cached or numba keeps its own default cache; otherwise the kernels compile
+    in helper processes, never in the training process (kernels it compiled itself computed slightly different
+    gradients from the cached ones, so a first run differed from its reruns): two at once on two threads, one
+    doing both halves on one thread."""
     spawned = []
-    monkeypatch.setattr(P.subprocess, "Popen", lambda *a, **k: spawned.append(a))
+    monkeypatch.setattr(P.subprocess, "Popen", lambda *a, **k: spawned.append(_FakeHelper(*a, **k)) or spawned[-1])
     monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path))
-    assert P.precompile(1) is None  # one thread: nothing to run beside it
+    assert P.precompile(2) is not None and len(spawned) == 2
+    assert "compile_loss_kernels()" in spawned[0].code and "compile_step_kernels()" in spawned[1].code
+    spawned.clear()
+    assert P.precompile(1) is not None and len(spawned) == 1
+    assert "compile_loss_kernels()" in spawned[0].code and "compile_step_kernels()" in spawned[0].code
+    spawned.clear()
     _touch_index(tmp_path, P.LOSS_KERNELS + P.STEP_KERNELS)
-    assert P.precompile(2) is None  # all cached
+    assert P.precompile(2) is None and P.precompile(1) is None  # all cached
     monkeypatch.delenv("NUMBA_CACHE_DIR")
     assert P.precompile(2) is None  # numba's default cache location: left to numba
     assert spawned == []

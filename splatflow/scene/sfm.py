@@ -417,6 +417,8 @@ def run_sfm(images_dir: str | Path, sparse_dir: str | Path, undistorted_dir: str
              f"matching of the {cfg.sequential_overlap} next images in name order; raise the limit (time grows "
              "with the square of the count) or set sfm.matcher: exhaustive for an unordered collection")
     pycolmap.logging.minloglevel = 1  # warnings and errors; our own lines report the phases
+    # sfm.deterministic: COLMAP on one thread (on several, its results vary slightly from run to run)
+    colmap_threads = 1 if cfg.deterministic else threads
 
     parent = sparse_dir.parent
     parent.mkdir(parents=True, exist_ok=True)
@@ -436,7 +438,7 @@ def run_sfm(images_dir: str | Path, sparse_dir: str | Path, undistorted_dir: str
                                                                 g.height)
                 extraction = pycolmap.FeatureExtractionOptions()
                 extraction.max_image_size = max(width, height)
-                extraction.num_threads = threads
+                extraction.num_threads = colmap_threads
                 extraction.use_gpu = False
                 extraction.sift.max_num_features = cfg.max_num_features
                 extraction.sift.first_octave = first_sift_octave(g.width, g.height)
@@ -451,7 +453,7 @@ def run_sfm(images_dir: str | Path, sparse_dir: str | Path, undistorted_dir: str
         with _Phase(f"{matcher} matching" + (f" of {n_pairs} pairs" if n_pairs else
                                              f" (overlap {cfg.sequential_overlap})")):
             matching = pycolmap.FeatureMatchingOptions()
-            matching.num_threads = threads
+            matching.num_threads = colmap_threads
             matching.use_gpu = False
             if matcher == "exhaustive":
                 pycolmap.match_exhaustive(db, matching_options=matching, device=pycolmap.Device.cpu)
@@ -459,7 +461,7 @@ def run_sfm(images_dir: str | Path, sparse_dir: str | Path, undistorted_dir: str
                 pairing = pycolmap.SequentialPairingOptions()
                 pairing.overlap = cfg.sequential_overlap
                 pairing.loop_detection = False  # needs a vocabulary tree download: aborts the process offline
-                pairing.num_threads = threads
+                pairing.num_threads = colmap_threads
                 pycolmap.match_sequential(db, matching_options=matching, pairing_options=pairing,
                                           device=pycolmap.Device.cpu)
 
@@ -468,7 +470,7 @@ def run_sfm(images_dir: str | Path, sparse_dir: str | Path, undistorted_dir: str
         with _Phase(f"{cfg.mapper} mapping"):
             if cfg.mapper == "incremental":
                 opts = pycolmap.IncrementalPipelineOptions()
-                opts.num_threads = threads
+                opts.num_threads = colmap_threads
                 opts.random_seed = seed
                 opts.ba_refine_principal_point = cfg.refine_principal_point
                 from tqdm.auto import tqdm
@@ -485,7 +487,7 @@ def run_sfm(images_dir: str | Path, sparse_dir: str | Path, undistorted_dir: str
                                                           next_image_callback=_next)
             else:
                 opts = pycolmap.GlobalPipelineOptions()
-                opts.num_threads = threads
+                opts.num_threads = colmap_threads
                 opts.random_seed = seed
                 # CPU-only wheel: ask for no GPU solvers instead of warning and falling back.
                 opts.mapper.bundle_adjustment.ceres.use_gpu = False

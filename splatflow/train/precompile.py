@@ -1,16 +1,18 @@
-"""The CPU training kernels compiled on two cores at once, the first time a checkout trains.
+"""The CPU training kernels compiled in helper processes, on two cores at once, the first time a checkout trains.
 
 numba compiles a kernel at its first call, in the calling process, one kernel after another. The first CPU
 training run after an install or a kernel change compiled for 83 s on one core while the other core idled:
 that was 40 % of the demo's first run (bench/RESULTS.md, session 13). When numba's cache lacks the training
-kernels, :func:`precompile` splits the work in two:
-- a second process compiles the loss kernels (SSIM with the training blur inside, and the transposed blur of its
-  backward: the longest part);
-- this process compiles the projection, the rasterizer and the sparse step's kernels, then waits for the other.
-The two halves take about a minute each on the 2-core development VM, against 83 s one after the other in the
-demo's train stage.
-Both write numba's on-disk cache, and the training step then loads the kernels from there. The result is the
-same either way: this only changes when and where the compiling happens.
+kernels, :func:`precompile` has two helper processes compile them into the cache at once:
+- one compiles the loss kernels (SSIM with the training blur inside, and the transposed blur of its backward: the
+  longest part);
+- the other compiles the projection, the rasterizer and the sparse step's kernels.
+The two halves take about a minute each on the 2-core development VM. With one thread, one helper compiles both.
+The training process then loads every kernel from the cache, as every later run does. That matters for more than
+time: the rasterizer's backward compiled in the training process computed slightly different gradients from the
+same kernel loaded from the cache (after 20 demo steps, 3e-3 apart in a quaternion; after the demo's 2000 steps,
+26.22 against 26.11 dB, bench/RESULTS.md session 14), so a first run and its reruns differed. Compiled in a
+helper, a first run is a rerun.
 """
 
 from __future__ import annotations
@@ -54,13 +56,17 @@ def compile_loss_kernels() -> None:
 
 
 def compile_step_kernels() -> None:
-    """Compile the rest of a CPU training step's kernels, called as :meth:`Trainer.render` and the sparse step
+    """Compile the rest of a CPU training run's kernels, called as :meth:`Trainer.render` and the sparse step
     call them: the candidate bound, projection and rasterizer forward and backward (RGB, a window), the sparse
-    step's Adam and its catch-up."""
+    step's Adam and its catch-up; and the removal cost ``train.prune_during`` scores its cuts with. A demo run
+    compiled nothing more after these (its numba cache folder listed before and after)."""
     import torch
 
+    import numpy as np
+
     from splatflow.model import SPLAT_KEYS, Splats
-    from splatflow.render import rasterize
+    from splatflow.render import rasterize, removal_loss
+    from splatflow.render._kernels import touch_pool
     from splatflow.train.sparse import SparseAdam, candidates
 
     n = 64
@@ -86,30 +92,49 @@ def compile_step_kernels() -> None:
     adam = SparseAdam(params, optimizers)
     adam.step(params, optimizers, rows, {k: leaves[k].grad for k in SPLAT_KEYS})
     adam.flush(params, optimizers)
+    # train.prune_during's removal cost (the rasterizer's backward with its removal columns), and numba's thread pool
+    with torch.no_grad():
+        removal_loss(a.means, a.quats, a.scales, a.opacities, a.colors, view[None], K[None], 32, 32, sh_degree=3,
+                     target=torch.zeros(1, 32, 32, 3, device="cpu"))
+    touch_pool(np.zeros(64, dtype=np.float32))
+
+
+def _helper(env: dict, *functions: str) -> subprocess.Popen:
+    """A process that runs this module's ``functions`` (compiling their kernels into numba's cache)."""
+    calls = "; ".join(f"{f}()" for f in functions)
+    code = f"from splatflow.train.precompile import {', '.join(functions)}; {calls}"
+    return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL, env=env)
 
 
 def precompile(threads: int) -> float | None:
-    """Compile the CPU training kernels on two cores when numba's cache lacks them (see the module docstring);
-    return the seconds it took, or None when there was nothing to do (cached, or a single thread)."""
-    if threads < 2 or (cached(LOSS_KERNELS) and cached(STEP_KERNELS)):
+    """Compile the CPU training kernels in helper processes when numba's cache lacks them (see the module
+    docstring): two at once with ``threads >= 2``, else one; return the seconds it took, or None when there was
+    nothing to do (cached, or no ``NUMBA_CACHE_DIR``: numba's own default cache is left to numba)."""
+    if cached(LOSS_KERNELS) and cached(STEP_KERNELS):
         return None
     t0 = time.perf_counter()
-    print("compiling the CPU kernels on two cores (once after an install or a kernel change; about a minute, "
-          "then they load from numba's cache in seconds)", file=sys.stderr, flush=True)
+    where = "on two cores" if threads >= 2 else "in a helper process"
+    print(f"compiling the CPU kernels {where} (once after an install or a kernel change; about a minute, then they "
+          "load from numba's cache in seconds)", file=sys.stderr, flush=True)
     import splatflow
 
     # the same splatflow as this process (a bench run from another checkout puts its own first on sys.path), and
     # its numba cache folder (NUMBA_CACHE_DIR, set in os.environ by `import splatflow`)
     root = str(Path(splatflow.__file__).resolve().parents[1])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
-    child = subprocess.Popen(
-        [sys.executable, "-c", "from splatflow.train.precompile import compile_loss_kernels; compile_loss_kernels()"],
-        stdin=subprocess.DEVNULL, env=env)
+    jobs = [("compile_loss_kernels",), ("compile_step_kernels",)] if threads >= 2 else \
+        [("compile_loss_kernels", "compile_step_kernels")]
+    helpers = []
     try:
-        compile_step_kernels()
-        child.wait()
+        for job in jobs:
+            helpers.append(_helper(env, *job))
+        failed = [" + ".join(job) for job, h in zip(jobs, helpers) if h.wait() != 0]
+        if failed:  # the training step compiles what is missing itself, and raises numba's own error if it fails
+            print(f"precompile: {', '.join(failed)} failed (its error is above); the training step compiles the "
+                  "kernels itself", file=sys.stderr, flush=True)
     finally:
-        if child.poll() is None:  # this process failed or was stopped: the other's work is no longer wanted
-            child.kill()
-            child.wait()
+        for h in helpers:
+            if h.poll() is None:  # this process failed or was stopped: the helpers' work is no longer wanted
+                h.kill()
+                h.wait()
     return time.perf_counter() - t0

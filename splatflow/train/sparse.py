@@ -40,8 +40,9 @@ def candidates(params: dict, viewmat: torch.Tensor, K: torch.Tensor, width: int,
     from splatflow.render._sparse_kernels import window_candidates
 
     x0, y0, ww, wh = window if window is not None else (0, 0, int(width), int(height))
-    vm = viewmat.detach().to(torch.float64).reshape(1, 4, 4).numpy()
-    ks = K.detach().to(torch.float64).reshape(1, 3, 3).numpy()
+    # C order always (a K built from a transposed array is F order): one compiled variant, the one precompiled
+    vm = np.ascontiguousarray(viewmat.detach().to(torch.float64).reshape(1, 4, 4).numpy())
+    ks = np.ascontiguousarray(K.detach().to(torch.float64).reshape(1, 3, 3).numpy())
     mask = window_candidates(params["means"].detach().numpy(), params["scales"].detach().numpy(),
                              params["opacities"].detach().numpy(), vm, ks, int(width), int(height), NEAR_PLANE,
                              FAR_PLANE, EPS2D, int(x0), int(y0), int(x0 + ww), int(y0 + wh))
