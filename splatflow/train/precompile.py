@@ -60,9 +60,8 @@ def compile_step_kernels() -> None:
     call them: the candidate bound, projection and rasterizer forward and backward (RGB, a window), the sparse
     step's Adam and its catch-up; and the removal cost ``train.prune_during`` scores its cuts with. A demo run
     compiled nothing more after these (its numba cache folder listed before and after)."""
-    import torch
-
     import numpy as np
+    import torch
 
     from splatflow.model import SPLAT_KEYS, Splats
     from splatflow.render import rasterize, removal_loss
