@@ -355,7 +355,7 @@ class Trainer:
         self.resumed_from = self.step if self.try_resume() else None
         self.sink.start(self.step)
         start_step = self.step
-        if self.run_device.backend == "cpu":  # a first run after an install or a kernel change: on two cores
+        if self.run_device.backend == "cpu":  # a first run after an install or a kernel change: helper processes
             import numba
 
             from splatflow.train.precompile import precompile
