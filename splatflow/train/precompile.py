@@ -2,8 +2,9 @@
 
 numba compiles a kernel at its first call, in the calling process, one kernel after another. The first CPU
 training run after an install or a kernel change compiled for 83 s on one core while the other core idled:
-that was 40 % of the demo's first run (bench/RESULTS.md, session 13). When numba's cache lacks the training
-kernels, :func:`precompile` has two helper processes compile them into the cache at once:
+that was 40 % of the demo's first run (bench/RESULTS.md, session 13). Until it has done so once for a cache
+folder and a kind of machine (its marker file, :func:`cached`), :func:`precompile` has two helper processes
+compile them into the cache at once:
 - one compiles the loss kernels (SSIM with the training blur inside, and the transposed blur of its backward: the
   longest part);
 - the other compiles the projection, the rasterizer and the sparse step's kernels.
@@ -12,33 +13,51 @@ The training process then loads every kernel from the cache, as every later run 
 time: the rasterizer's backward compiled in the training process computed slightly different gradients from the
 same kernel loaded from the cache (after 20 demo steps, 3e-3 apart in a quaternion; after the demo's 2000 steps,
 26.22 against 26.11 dB, bench/RESULTS.md session 14), so a first run and its reruns differed. Compiled in a
-helper, a first run is a rerun.
+helper, a first run is a rerun. tests/test_precompile.py checks it: a training run after precompile (windows,
+the blur, the removal-cost cuts) finds every variant it calls in the cache (numba's own cache-miss counts).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-# kernel names as numba's cache index files start (``<module>.<function>-<line>.py311.nbi``), in the folder
-# splatflow.render._numba_cache files splatflow's kernels under
+# the folder splatflow.render._numba_cache files splatflow's kernels under, inside NUMBA_CACHE_DIR
 _CACHE_SUBFOLDER = "splatflow_render"
-LOSS_KERNELS = ("_filter_kernels.ssim_fused", "_filter_kernels.separable_filter")
-STEP_KERNELS = ("_proj_kernels.project_fwd", "_proj_kernels.project_bwd", "_kernels.rasterize_fwd",
-                "_kernels.rasterize_bwd_rgb", "_sparse_kernels.window_candidates", "_sparse_kernels.adam_rows")
 
 
-def cached(names: tuple[str, ...], cache_dir: str | os.PathLike | None = None) -> bool:
-    """Whether numba's cache holds every kernel in ``names`` (for some signature). Without a ``NUMBA_CACHE_DIR``
-    (numba's default location, beside the sources) it answers True: nothing is precompiled then."""
+def _target_tag() -> str:
+    """A short digest of the code target numba compiles for (triple, CPU name, CPU features): numba keys its cache
+    entries by it, so a cache folder shared by two kinds of machine holds one set of kernels per kind."""
+    try:
+        from numba.core.registry import cpu_target
+
+        target = repr(cpu_target.target_context.codegen().magic_tuple())
+    except Exception:  # pragma: no cover - numba internals moved; one tag for every machine
+        target = "any"
+    return hashlib.sha1(target.encode()).hexdigest()[:12]
+
+
+def marker(cache_dir: str | os.PathLike) -> Path:
+    """The file :func:`precompile` writes into ``cache_dir`` once its helpers have compiled every variant a CPU
+    training run calls, for this machine's code target."""
+    return Path(cache_dir) / _CACHE_SUBFOLDER / f"precompiled-{_target_tag()}"
+
+
+def cached(cache_dir: str | os.PathLike | None = None) -> bool:
+    """Whether :func:`precompile` has already filled numba's cache for this machine. Kernel names alone would not
+    tell: a bench script or a test may have cached the training variant of a kernel but not the removal-cost
+    variant that ``train.prune_during`` calls, which the training process would then compile itself (and a first
+    run would differ from its reruns after the first cut). Without a ``NUMBA_CACHE_DIR`` (numba's default
+    location, beside the sources) it answers True: nothing is precompiled then."""
     d = cache_dir if cache_dir is not None else os.environ.get("NUMBA_CACHE_DIR")
     if not d:
         return True
-    folder = Path(d) / _CACHE_SUBFOLDER
-    return all(any(folder.glob(f"{name}-*.nbi")) for name in names)
+    return marker(d).is_file()
 
 
 def compile_loss_kernels() -> None:
@@ -106,10 +125,12 @@ def _helper(env: dict, *functions: str) -> subprocess.Popen:
 
 
 def precompile(threads: int) -> float | None:
-    """Compile the CPU training kernels in helper processes when numba's cache lacks them (see the module
-    docstring): two at once with ``threads >= 2``, else one; return the seconds it took, or None when there was
-    nothing to do (cached, or no ``NUMBA_CACHE_DIR``: numba's own default cache is left to numba)."""
-    if cached(LOSS_KERNELS) and cached(STEP_KERNELS):
+    """Compile the CPU training kernels in helper processes unless they have done so already for this cache
+    and machine (see the module docstring): two at once with ``threads >= 2``, else one (a helper loads what is
+    cached and compiles the rest: seconds on a cache that lacks a variant or two); return the seconds it took, or
+    None when there was nothing to do (:func:`cached`, or no ``NUMBA_CACHE_DIR``: numba's own default cache is
+    left to numba)."""
+    if cached():
         return None
     t0 = time.perf_counter()
     where = "on two cores" if threads >= 2 else "in a helper process"
@@ -131,6 +152,10 @@ def precompile(threads: int) -> float | None:
         if failed:  # the training step compiles what is missing itself, and raises numba's own error if it fails
             print(f"precompile: {', '.join(failed)} failed (its error is above); the training step compiles the "
                   "kernels itself", file=sys.stderr, flush=True)
+        else:  # every variant is in the cache: later runs skip this
+            m = marker(os.environ["NUMBA_CACHE_DIR"])
+            m.parent.mkdir(parents=True, exist_ok=True)
+            m.write_text("written by splatflow.train.precompile after its helpers compiled the training kernels\n")
     finally:
         for h in helpers:
             if h.poll() is None:  # this process failed or was stopped: the helpers' work is no longer wanted
