@@ -61,7 +61,7 @@ def load_target(target: str, root: Path, stage: str | None = None) -> LoadedMode
         if stage is not None:
             raise UserError("--stage applies to a scene name, not to a file")
         splats, degree = read_splat_file(p)
-        return LoadedModel(splats, degree, p, None)
+        return LoadedModel(_checked_splats(splats, p), degree, p, None)
     if p.exists() and p.is_file():
         raise UserError(f"{p}: not a splat file this viewer reads (use .ply, .spz or .splat) and not a scene name")
     paths = ScenePaths(target, root)
@@ -91,7 +91,32 @@ def load_target(target: str, root: Path, stage: str | None = None) -> LoadedMode
         splats = as_numpy_splats(splats_t, degree)
     else:
         splats, degree = read_splat_file(source)
-    return LoadedModel(splats, int(degree), source, stage, scene_cameras(paths))
+    return LoadedModel(_checked_splats(splats, source, target), int(degree), source, stage, scene_cameras(paths))
+
+
+def _checked_splats(splats: dict[str, np.ndarray], source: Path, scene: str | None = None) -> dict[str, np.ndarray]:
+    """``splats`` when the viewer can draw them; else a UserError naming ``source`` and the fix.
+
+    An empty model (a valid file with zero Gaussians) has no extent to frame; NaN/Inf centres, scales or
+    opacities would reach viser as broken covariances. Like a checkpoint's own validation, a bad model is refused
+    with the count of bad Gaussians rather than drawn in part."""
+    n = len(splats["means"])
+    if n == 0:
+        how = (f"`splatflow run {scene}` (or `dvc repro export@{scene}`) writes a trained model" if scene
+               else "export a trained model (`splatflow run <scene>`) and view that, or `splatflow view <scene>`")
+        raise UserError(f"{source}: holds no Gaussians (an empty model), so there is nothing to view; {how}")
+    bad = np.zeros(n, dtype=bool)
+    which = []
+    for k in ("means", "scales", "opacities", "quats", "sh0", "shN"):
+        rows = ~np.isfinite(splats[k].reshape(n, -1)).all(axis=1)
+        if rows.any():
+            which.append(k)
+            bad |= rows
+    if bad.any():
+        raise UserError(f"{source}: {int(bad.sum()):,} of {n:,} Gaussians hold NaN/Inf values (in "
+                        f"{', '.join(which)}); the viewer cannot draw them: re-export the model from a finite "
+                        f"checkpoint, or rerun the stage that wrote it")
+    return splats
 
 
 def _known_scenes(root: Path) -> set[str] | None:

@@ -136,3 +136,45 @@ def test_sh_colors_follow_the_view_direction():
     assert np.allclose(flat, 0.5)
     assert left.mean() != pytest.approx(right.mean())
     assert np.all((left >= 0) & (left <= 1))
+
+
+def _ply_splats(n: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    q = rng.normal(size=(n, 4)).astype(np.float32)
+    return {"means": rng.normal(size=(n, 3)).astype(np.float32), "quats": q,
+            "scales": np.full((n, 3), -3.0, np.float32), "opacities": np.zeros(n, np.float32),
+            "sh0": rng.normal(size=(n, 1, 3)).astype(np.float32), "shN": np.zeros((n, 3, 3), np.float32)}
+
+
+def test_view_of_a_ply_with_zero_gaussians_names_the_file(tmp_path):
+    from splatflow.formats.ply import write_ply
+    from splatflow.viewer import load_target
+
+    ply = write_ply(tmp_path / "empty.ply", _ply_splats(0))
+    assert b"element vertex 0" in ply.read_bytes()  # a valid Inria PLY, just empty
+    with pytest.raises(UserError, match=r"empty\.ply: holds no Gaussians.*splatflow view <scene>"):
+        load_target(str(ply), tmp_path)
+    # the command line: exit 2 with the message, not an IndexError traceback from the viewer
+    env = project_env()
+    env["PYTHONPATH"] = str(REPO)
+    p = subprocess.run([sys.executable, "-m", "splatflow.cli", "view", str(ply), "--port", str(_free_port())],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "holds no Gaussians" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_view_of_a_ply_with_nan_gaussians_counts_them(tmp_path):
+    from splatflow.formats.ply import write_ply
+    from splatflow.viewer import load_target
+
+    s = _ply_splats(10)
+    s["means"][2, 0] = np.nan
+    s["scales"][5, 1] = np.inf
+    s["opacities"][5] = np.nan  # the same Gaussian twice: counted once
+    ply = write_ply(tmp_path / "bad.ply", s)
+    with pytest.raises(UserError, match=r"bad\.ply: 2 of 10 Gaussians hold NaN/Inf values \(in means, scales, "
+                                        r"opacities\)"):
+        load_target(str(ply), tmp_path)
+    s = _ply_splats(10)
+    ok = load_target(str(write_ply(tmp_path / "ok.ply", s)), tmp_path)  # a finite model loads unchanged
+    assert len(ok.splats["means"]) == 10 and np.allclose(ok.splats["means"], s["means"])
