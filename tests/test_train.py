@@ -125,6 +125,31 @@ def test_resume_equals_uninterrupted_run(scene, tmp_path):
     assert again.resumed_from is None
 
 
+def test_an_unfinished_run_resumes_only_on_the_same_scene_data(scene, tmp_path, capsys):
+    """A stopped run whose scene changed since (new photos, a new SfM model, another split) trains afresh and
+    says why; on the same data it resumes and says so. Before, only params and seed were compared, and a capture
+    with one photo more continued the old model without a word."""
+    cfg = small_cfg(30, checkpoint_every=1000)
+    train(scene, cfg, ckpt_path=tmp_path / "b.pt", stop_after=12)
+    capsys.readouterr()
+    moved = replace(scene, points=scene.points + np.float32(0.01))  # another SfM model of the same views
+    tr = Trainer(moved, cfg, ckpt_path=tmp_path / "b.pt", stop_after=13)
+    tr.run()
+    err = capsys.readouterr().err
+    assert tr.resumed_from is None and "not resumed because the scene's data differ" in err
+    assert "stopped at step 12" in err
+    train(scene, cfg, ckpt_path=tmp_path / "c.pt", stop_after=12)
+    resplit = replace(scene, train_views=scene.train_views[1:], test_views=scene.test_views + scene.train_views[:1])
+    tr = Trainer(resplit, cfg, ckpt_path=tmp_path / "c.pt")
+    tr.run()
+    assert tr.resumed_from is None  # another split
+    train(scene, cfg, ckpt_path=tmp_path / "d.pt", stop_after=12)
+    capsys.readouterr()
+    tr = Trainer(scene, cfg, ckpt_path=tmp_path / "d.pt")
+    tr.run()
+    assert tr.resumed_from == 12 and "resuming the unfinished run from step 12" in capsys.readouterr().err
+
+
 def test_gradient_guard_fires_on_a_detached_render(scene):
     tr = Trainer(scene, small_cfg(20))
     tr.loss_fn = lambda pred, gt, s, lam: photometric_loss(pred.detach(), gt, s, lam)

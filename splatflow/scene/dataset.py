@@ -9,6 +9,7 @@ the Gaussians.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,6 +57,29 @@ class SceneData:
     train_views: list[View] = field(default_factory=list)
     test_views: list[View] = field(default_factory=list)
     root: Path | None = None
+
+    def fingerprint(self) -> str:
+        """A digest of what training reads from the scene: the views (names, sizes, intrinsics, poses, the image
+        and mask files' sizes), the train/test division and the SfM points with their colours. A training
+        checkpoint records it, so a run resumes only on the scene it was started on: after new photos, a new SfM
+        model or another split, the stage trains afresh instead of continuing a model fitted to other data."""
+        h = hashlib.sha256()
+
+        def size(path: Path | None) -> int:
+            try:
+                return path.stat().st_size if path is not None else -1
+            except OSError:
+                return -2
+
+        for v in self.views:
+            h.update(repr((v.name, v.width, v.height, v.source_size, size(v.image_path), size(v.mask_path)))
+                     .encode())
+            h.update(np.ascontiguousarray(v.K, dtype=np.float64).tobytes())
+            h.update(np.ascontiguousarray(v.world_to_cam, dtype=np.float64).tobytes())
+        h.update(repr(([v.name for v in self.train_views], [v.name for v in self.test_views])).encode())
+        h.update(np.ascontiguousarray(self.points, dtype=np.float32).tobytes())
+        h.update(np.ascontiguousarray(self.colors, dtype=np.uint8).tobytes())
+        return h.hexdigest()[:16]
 
 
 def find_model_dir(scene_dir: Path) -> Path:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import sys
 
 import torch
 
@@ -36,11 +37,21 @@ def config_hash(cfg: TrainConfig) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def scene_hash(tr) -> str | None:
+    """The fingerprint of trainer ``tr``'s scene (:meth:`splatflow.scene.dataset.SceneData.fingerprint`), once
+    per trainer; None for a scene object without one."""
+    if not hasattr(tr, "_scene_hash"):
+        fp = getattr(tr.scene, "fingerprint", None)
+        tr._scene_hash = fp() if callable(fp) else None
+    return tr._scene_hash
+
+
 def capture(tr, finished: bool, stopped: str = "") -> Checkpoint:
     """The checkpoint of trainer ``tr`` now, with every tensor on the CPU."""
     train = {
         "stopped": stopped,
         "config_hash": config_hash(tr.cfg),
+        "scene_hash": scene_hash(tr),
         "seed": tr.seed,
         "scene_scale": tr.scene_scale,
         "initial_count": tr.initial_count,
@@ -100,8 +111,10 @@ def _restore_sparse(tr, state: dict | None) -> None:
 
 
 def try_resume(tr) -> bool:
-    """Continue trainer ``tr`` from an unfinished checkpoint of the same config and seed at ``tr.ckpt_path``;
-    True if it did. A missing, unreadable or finished checkpoint, or one of other settings, starts afresh."""
+    """Continue trainer ``tr`` from an unfinished checkpoint of the same config, seed and scene at
+    ``tr.ckpt_path``; True if it did. A missing, unreadable or finished checkpoint starts afresh quietly; an
+    unfinished one written with other settings, another seed or on other scene data (new photos, a new SfM model,
+    another split) starts afresh and says why on stderr, and so does a resume."""
     if not (tr.cfg.resume and tr.ckpt_path and tr.ckpt_path.exists()):
         return False
     try:
@@ -109,10 +122,22 @@ def try_resume(tr) -> bool:
     except UserError as e:
         log.info("%s: not resuming (%s)", tr.ckpt_path, e)
         return False
-    if (not ckpt.resumable or ckpt.train.get("config_hash") != config_hash(tr.cfg)
-            or ckpt.train.get("seed") != tr.seed):
-        log.info("%s: not resuming (finished, or written with other train params/seed)", tr.ckpt_path)
+    if not ckpt.resumable:
+        log.info("%s: not resuming (a finished run)", tr.ckpt_path)
         return False
-    log.info("%s: resuming from step %d", tr.ckpt_path, ckpt.step)
+    why = []
+    if ckpt.train.get("config_hash") != config_hash(tr.cfg):
+        why.append("the train params differ")
+    if ckpt.train.get("seed") != tr.seed:
+        why.append(f"the seed differs ({ckpt.train.get('seed')} there, {tr.seed} now)")
+    if ckpt.train.get("scene_hash") != scene_hash(tr):
+        why.append("the scene's data differ (images, SfM model or split)" if ckpt.train.get("scene_hash")
+                   else "it does not record which scene data it was trained on")
+    if why:
+        print(f"{tr.ckpt_path}: an unfinished run stopped at step {ckpt.step}, not resumed because "
+              f"{' and '.join(why)}; training starts afresh", file=sys.stderr, flush=True)
+        return False
+    print(f"{tr.ckpt_path}: resuming the unfinished run from step {ckpt.step} (same params, seed and scene data)",
+          file=sys.stderr, flush=True)
     restore(tr, ckpt)
     return True
