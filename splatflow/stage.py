@@ -106,10 +106,10 @@ def stage_main(stage: str, run: RunFn, argv: list[str] | None = None, *, needs_t
     """Entry point shared by ``python -m stages.<stage> <scene>``.
 
     Exit status: 0 done, 2 a bad input or setting (the message says which and how to fix it), 3 not started
-    because another run writes in this checkout (the message names it), 143 stopped by SIGTERM (partial work kept
+    because another run writes in this checkout (the message names it), 143 stopped by SIGTERM or Ctrl-C (partial work kept
     where the stage has any, e.g. train's checkpoint; rerun to continue), 1 a bug.
     """
-    stop.install()  # SIGTERM from here on is a clean stop (exit 143), also while numba/torch load
+    stop.install()  # SIGTERM and Ctrl-C from here on are a clean stop (exit 143), also while numba/torch load
     parser = argparse.ArgumentParser(prog=f"python -m stages.{stage}", description=f"splatflow {stage} stage")
     parser.add_argument("scene", help="scene name (a key of base.scenes in params.yaml)")
     parser.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
@@ -147,8 +147,8 @@ def stage_main(stage: str, run: RunFn, argv: list[str] | None = None, *, needs_t
             raise
         # The stop was raised inside a callback from native code (numba's dispatcher, for one), which wrapped it
         # in an error of its own: it is still the stop, not a failure.
-        print(f"\nsplatflow {stage} [{args.scene}] stopped: stopped by SIGTERM (surfaced as {type(e).__name__})",
-              file=sys.stderr)
+        print(f"\nsplatflow {stage} [{args.scene}] stopped: stopped by {stop.label().upper()} (surfaced as "
+              f"{type(e).__name__})", file=sys.stderr)
         raise SystemExit(stop.STOP_EXIT_CODE) from None
     print(f"splatflow {stage} [{args.scene}]: done in {time.perf_counter() - t0:.1f} s "
           f"-> {paths.metrics_json(stage)}")

@@ -1,7 +1,10 @@
-"""Who stops a stage, and how: one SIGTERM handler per process, and a stop flag that long loops poll.
+"""Who stops a stage, and how: one SIGTERM (and Ctrl-C) handler per process, and a stop flag that long loops poll.
 
-A stage process has exactly one owner of SIGTERM: the stage shell (``splatflow.tracking.stage_tracking`` calls
-:func:`install`). The handler only records the request. Where the code cannot stop at a safe point by itself it
+A stage process has exactly one owner of SIGTERM and SIGINT: the stage shell (``splatflow.stage.stage_main`` and
+``splatflow.tracking.stage_tracking`` call :func:`install`). Ctrl-C in a terminal sends SIGINT to the whole
+foreground process group, the stage included; it is the same request as SIGTERM. (Left to Python's default, it
+raised KeyboardInterrupt wherever the process was, often inside a numba kernel's callback, which wrapped it in a
+SystemError: a traceback, a FAILED MLflow run, and the training steps since the last periodic checkpoint lost.) The handler only records the request. Where the code cannot stop at a safe point by itself it
 raises :class:`StageStopped` at once (the next Python bytecode); inside :func:`cooperative` blocks -- the training
 loop -- it only sets the flag, and the loop polls :func:`requested`, writes its checkpoint and returns, after which
 the stage raises :class:`StageStopped` itself. Either way the process leaves with :data:`STOP_EXIT_CODE` (143 =
@@ -29,7 +32,7 @@ _cooperative = 0  # depth of nested cooperative() blocks
 
 
 class StageStopped(SystemExit):
-    """The stage was asked to stop (SIGTERM). A ``SystemExit`` with status 143, so the ``except Exception``
+    """The stage was asked to stop (SIGTERM or Ctrl-C). A ``SystemExit`` with status 143, so the ``except Exception``
     blocks of library code do not swallow it and the interpreter exits with that status."""
 
     def __init__(self, message: str = "stopped by SIGTERM"):
@@ -41,8 +44,19 @@ class StageStopped(SystemExit):
 
 
 def requested() -> bool:
-    """True once SIGTERM arrived (polled by loops that stop at a safe point)."""
+    """True once SIGTERM (or, where the stage shell owns it, SIGINT) arrived (polled by loops that stop at a safe
+    point)."""
     return _flag.is_set()
+
+
+def label() -> str:
+    """How the stop request came, for messages and checkpoints: ``"sigterm"`` or ``"sigint"``."""
+    return _name().lower()
+
+
+def is_stop_label(text: str) -> bool:
+    """Whether a training run's ``stopped`` field says it was stopped by a request (:func:`label`)."""
+    return text.startswith(("sigterm", "sigint"))
 
 
 def clear() -> None:
@@ -82,8 +96,9 @@ def installed() -> bool:
     return signal.getsignal(signal.SIGTERM) is _handler
 
 
-def install():
-    """Make this module the process's SIGTERM owner; returns the previous handler (for :func:`restore`).
+def install(sigint: bool = True):
+    """Make this module the process's SIGTERM owner, and with ``sigint`` (the stage shell) SIGINT's too; returns
+    the previous handlers (for :func:`restore`).
 
     Only possible in the main thread (Python's rule for signal handlers); elsewhere returns None and changes
     nothing.
@@ -91,12 +106,15 @@ def install():
     if threading.current_thread() is not threading.main_thread():
         return None
     _preload_native_handlers()
-    return signal.signal(signal.SIGTERM, _handler)
+    signals = (signal.SIGTERM, signal.SIGINT) if sigint else (signal.SIGTERM,)
+    return {s: signal.signal(s, _handler) for s in signals}
 
 
 def restore(previous) -> None:
     if previous is not None and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            if handler is not None:
+                signal.signal(s, handler)
 
 
 @contextlib.contextmanager
@@ -104,13 +122,14 @@ def cooperative() -> Iterator[None]:
     """While inside, SIGTERM only sets the flag: the caller polls :func:`requested` and stops at a safe point.
 
     When no owner has installed the handler (the library used on its own, e.g. ``splatflow.train.train`` from a
-    script), the handler is installed for the duration of the block and the previous one restored after it.
+    script), the SIGTERM handler is installed for the duration of the block and the previous one restored after
+    it; Ctrl-C then keeps its usual meaning for the script (KeyboardInterrupt).
     """
     global _cooperative
     previous = None
     if not installed():
         clear()  # no owner: a flag left by an earlier stop in this process is stale
-        previous = install()
+        previous = install(sigint=False)
     _cooperative += 1
     try:
         yield

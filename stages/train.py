@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import resource
 
+from splatflow import stop
 from splatflow.config import Params
 from splatflow.errors import UserError
 from splatflow.paths import ScenePaths
@@ -40,7 +41,7 @@ def run(params: Params, paths: ScenePaths) -> dict:
     cfg = params.train
     res = train(scene, cfg, ckpt_path=paths.train_ckpt, csv_path=paths.train_csv, seed=params.base.seed,
                 step_logger=_step_logger())
-    if res.stopped.startswith("sigterm"):
+    if stop.is_stop_label(res.stopped):
         # Not a finished stage: exit 143 so DVC records nothing and MLflow marks the run KILLED; the checkpoint
         # lets the next run resume.
         raise StageStopped(f"{res.stopped}; checkpoint saved to {paths.train_ckpt}, rerun the stage to resume")

@@ -222,3 +222,18 @@ def test_splatflow_run_passes_sigterm_on_to_the_stage(two_scenes):
     assert runs and runs[0].info.status == "KILLED", [r.info.status for r in runs]
     with workspace_lock(two_scenes, wait_s=0):
         pass  # the workspace is free again
+
+
+@pytest.mark.parametrize("child_rc, expected", [(0, 0), (3, 128 + signal.SIGINT)])
+def test_a_ctrl_c_after_the_run_finished_does_not_turn_success_into_a_stop(tmp_path, child_rc, expected):
+    """``splatflow run`` waits for DVC in the foreground; a Ctrl-C that arrives while DVC still completes its run
+    must not report the finished run as stopped (it printed "stopped (Ctrl-C)" and exited 130 after a successful
+    run); a run that did fail after the Ctrl-C is a stop."""
+    import os
+    import threading
+
+    from splatflow.orchestrate.workspace import run_foreground
+
+    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()  # to this process only, as a late Ctrl-C
+    rc = run_foreground([sys.executable, "-c", f"import time, sys; time.sleep(1.5); sys.exit({child_rc})"], tmp_path)
+    assert rc == expected

@@ -387,6 +387,6 @@ def run_foreground(cmd: list[str], cwd: str | Path, env: dict | None = None, *, 
     finally:
         signal.signal(signal.SIGTERM, old_term)
         signal.signal(signal.SIGINT, old_int)
-    if stopped["signum"] is not None:
+    if stopped["signum"] is not None and rc != 0:  # (a stop that came after DVC had finished changed nothing)
         return 128 + int(stopped["signum"])
     return rc

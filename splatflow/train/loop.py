@@ -401,7 +401,7 @@ class Trainer:
                     stopped = reason
                     break
                 if stop.requested():
-                    stopped = f"sigterm at step {self.step}"
+                    stopped = f"{stop.label()} at step {self.step}"
                     self.save(finished=False, stopped=stopped)
                     return self._result(stopped, start_step, t_start, initial_psnr, saved=True)
                 if self.stop_after is not None and self.step >= self.stop_after:
@@ -496,6 +496,6 @@ def finetune(splats: Splats, scene, steps: int, cfg: TrainConfig, *, sh_degree: 
         return Splats.of(splats).clone()
     # the trainer draws from its own generators (seeded from ``seed``): the caller's random state is untouched
     res = Trainer(scene, cfg2, seed=seed, splats=splats, densify=False, schedules=sched).run()
-    if res.stopped.startswith("sigterm"):  # a partial fine-tune is not a result: the caller must not use it
+    if stop.is_stop_label(res.stopped):  # a partial fine-tune is not a result: the caller must not use it
         raise stop.StageStopped(f"stopped by SIGTERM during a fine-tune ({res.stopped})")
     return res.splats
