@@ -489,3 +489,44 @@ def test_dvc_pipeline_imports_a_colmap_dataset_and_reruns_when_its_model_changes
     second = dvc(root, "repro", "split@garden")
     assert "sfm@garden" in re.findall(r"Running stage '([^']+)'", second.stdout)
     assert json.loads((root / "metrics/garden/sfm.json").read_text())["points3d"] == sfm["points3d"] - 1
+
+
+def test_an_empty_or_damaged_model_file_is_named_with_the_fix(raw_scene, tmp_path, no_sfm):
+    """pycolmap says "Rig with ID 1 does not exist" for an empty cameras.bin and "Camera model does not exist" for a
+    garbage one, naming only the folder: the import names the file, what is wrong with it and the fix."""
+    dataset = write_dataset(raw_scene, tmp_path / "ds", levels=())
+    model = dataset / "sparse/0"
+    fix = r"re-export the model from COLMAP .*or drop base\.scenes\.<scene>\.colmap so the sfm stage runs"
+    cases = {
+        "cameras.bin": [(b"", r"the file is empty \(0 bytes\)"),
+                        (bytes(range(256)) * 2, r"its header counts [\d,]+ cameras, which need at least"),
+                        (None, "camera record 1 of 1 .* is cut off")],  # None: the real file less its last byte
+        "images.bin": [(b"\x01\x00", r"2 bytes is too short for the 8-byte record count"),
+                       (None, r"image record 10 of 10 \('0009.jpg'\) counts")],
+        "points3D.bin": [(b"", r"the file is empty"), (None, r"point record ([\d,]+) of \1 runs past the end")],
+    }
+    for name, variants in cases.items():
+        good = (model / name).read_bytes()
+        for i, (content, why) in enumerate(variants):
+            (model / name).write_bytes(good[:-1] if content is None else content)
+            with pytest.raises(UserError, match=rf"sparse/0/{name}: cannot read this COLMAP model file: {why}.*{fix}"):
+                colmap_import_model(model, tmp_path)
+            with pytest.raises(UserError, match=rf"sparse/0/{name}: .*{why}"):  # the stages: ingest stops first
+                _run_stages(tmp_path / f"p-{name}-{i}", dataset)
+        (model / name).write_bytes(good)
+    # the intact model still imports, and an empty text file left beside a binary model is not what is read
+    (model / "cameras.txt").write_text("")
+    _, m, _ = _run_stages(tmp_path / "ok", dataset)
+    assert m["images_registered"] == 10
+
+    text = write_dataset(raw_scene, tmp_path / "txt", levels=(), binary=False)
+    (text / "sparse/0/images.txt").write_text("")
+    with pytest.raises(UserError, match=r"sparse/0/images\.txt: cannot read this COLMAP model file: the file is "
+                                        r"empty"):
+        _run_stages(tmp_path / "p-txt", text)
+
+
+def colmap_import_model(model: Path, tmp: Path):
+    from splatflow.scene.colmap import import_model
+
+    return import_model(model, tmp / "images", tmp / "out/sparse", tmp / "out/undistorted", SfmConfig())

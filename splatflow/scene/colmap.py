@@ -21,7 +21,9 @@ names, downscaled by 2/4/8: what published metrics are computed on) and a COLMAP
 from __future__ import annotations
 
 import math
+import mmap
 import shutil
+import struct
 import tempfile
 import time
 from pathlib import Path
@@ -30,7 +32,7 @@ from splatflow.config import IngestConfig, SfmConfig
 from splatflow.errors import UserError
 
 __all__ = ["LEVELS", "find_model", "is_colmap_dataset", "level_dir", "output_name_map", "copy_levels",
-           "empty_levels", "import_model"]
+           "empty_levels", "import_model", "check_model_files"]
 
 LEVELS = (2, 4, 8)  # the downscale levels of the Inria / Mip-NeRF 360 layout
 MODEL_CANDIDATES = ("sparse/0", "sparse")
@@ -65,7 +67,139 @@ def model_dir(source: Path, colmap: str) -> Path:
         hint = f" (this dataset has one in {found})" if found else ""
         raise UserError(f"{p}: no COLMAP model here (cameras, images and points3D as .bin or .txt); set "
                         f"base.scenes.<scene>.colmap to the model folder relative to {source}{hint}")
+    check_model_files(p)
     return p
+
+
+MODEL_FILES = ("cameras", "images", "points3D")
+_FIX = ("re-export the model from COLMAP (File > Export model, or `colmap model_converter --input_path <a readable "
+        "copy> --output_path {dir} --output_type BIN`), or drop base.scenes.<scene>.colmap so the sfm stage runs splatflow's own SfM on the "
+        "images alone")
+
+
+def _model_files(model_path: Path) -> list[Path]:
+    """The files pycolmap will read: the three .bin when all exist, else the three .txt (as COLMAP chooses)."""
+    for suffix in (".bin", ".txt"):
+        files = [model_path / f"{n}{suffix}" for n in MODEL_FILES]
+        if all(f.is_file() for f in files):
+            return files
+    return [f for n in MODEL_FILES for f in (model_path / f"{n}.bin", model_path / f"{n}.txt") if f.is_file()]
+
+
+def _camera_param_counts() -> dict[int, int]:
+    """COLMAP camera model id -> number of parameters, from the installed pycolmap (it knows every model it reads)."""
+    import pycolmap
+
+    out = {}
+    for m in pycolmap.CameraModelId.__members__.values():
+        if int(m.value) >= 0:
+            out[int(m.value)] = len(pycolmap.Camera.create_from_model_id(1, m, 1.0, 1, 1).params)
+    return out
+
+
+def _u64(f, what: str) -> int:
+    b = f.read(8)
+    if len(b) < 8:
+        raise _Truncated(what)
+    return struct.unpack("<Q", b)[0]
+
+
+class _Truncated(Exception):
+    pass
+
+
+def _bin_problem(path: Path, size: int) -> str | None:
+    """What makes a COLMAP binary model file unreadable (layout of COLMAP's ``Read*Binary``), or None."""
+    kind = path.stem
+    if size < 8:
+        return f"{size} bytes is too short for the 8-byte record count every COLMAP .bin file starts with"
+    with open(path, "rb") as f:
+        n = _u64(f, "count")
+        body = size - 8
+        if kind == "points3D":
+            # id u64, xyz 3 f64, rgb 3 u8, error f64, track length u64 (then 8 bytes per track element)
+            rec = 8 + 24 + 3 + 8 + 8
+            if n * rec > body:
+                return (f"its header counts {n:,} points, which need at least {n * rec:,} bytes, but only {body:,} "
+                        f"follow: the file is truncated or not a points3D.bin")
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as b:  # ~0.25 s per million points
+                unpack, pos = struct.Struct("<Q").unpack_from, 8
+                for i in range(n):
+                    fixed_end = pos + rec  # the track length ends the fixed part of a record
+                    pos = fixed_end + 8 * unpack(b, fixed_end - 8)[0] if fixed_end <= size else fixed_end
+                    if pos > size:
+                        return (f"point record {i + 1} of {n:,} runs past the end of the file: the file is "
+                                f"truncated or corrupt")
+            return None
+        if kind == "images":
+            # id u32, qvec 4 f64, tvec 3 f64, camera id u32, name + NUL, n points2D u64, 24 bytes per point
+            rec = 4 + 32 + 24 + 4 + 1 + 8
+            if n * rec > body:
+                return (f"its header counts {n:,} images, which need at least {n * rec:,} bytes, but only {body:,} "
+                        f"follow: the file is truncated or not an images.bin")
+            for i in range(n):
+                f.seek(4 + 32 + 24 + 4, 1)
+                name = b""
+                while not name.endswith(b"\0"):
+                    chunk = f.read(256)
+                    if not chunk:
+                        return f"image record {i + 1} of {n:,} ends inside its name: the file is truncated"
+                    cut = chunk.find(b"\0")
+                    if cut >= 0:
+                        f.seek(cut + 1 - len(chunk), 1)
+                        chunk = chunk[:cut + 1]
+                    name += chunk
+                try:
+                    k = _u64(f, "points2D")
+                except _Truncated:
+                    return f"image record {i + 1} of {n:,} ends before its point count: the file is truncated"
+                f.seek(24 * k, 1)
+                if f.tell() > size:
+                    return (f"image record {i + 1} of {n:,} ({name[:-1].decode('utf-8', 'replace')!r}) counts {k:,} "
+                            f"2D points, more than the file holds: the file is truncated or corrupt")
+            return None
+        # cameras: id u32, model id i32, width u64, height u64, then the model's parameters as f64
+        if n == 0:
+            return "its header counts no cameras (every image needs one)"
+        try:
+            counts = _camera_param_counts()
+        except Exception:  # noqa: BLE001 - an older pycolmap: the size check alone
+            counts = {}
+        rec = 24 + 8 * min(counts.values(), default=1)
+        if n * rec > body:
+            return (f"its header counts {n:,} cameras, which need at least {n * rec:,} bytes, but only {body:,} "
+                    f"follow: the file is truncated or not a cameras.bin")
+        for i in range(n):
+            head = f.read(24)
+            if len(head) < 24:
+                return f"camera record {i + 1} of {n:,} is cut off: the file is truncated"
+            cam_id, model_id, _, _ = struct.unpack("<IiQQ", head)
+            if counts and model_id not in counts:
+                return (f"camera record {i + 1} of {n:,} (id {cam_id}) has model id {model_id}, which is no COLMAP "
+                        f"camera model: the file is corrupt or not a cameras.bin")
+            f.seek(8 * counts.get(model_id, 0), 1)
+            if f.tell() > size:
+                return f"camera record {i + 1} of {n:,} (id {cam_id}) is cut off: the file is truncated"
+    return None
+
+
+def check_model_files(model_path: Path) -> None:
+    """UserError naming the first model file of ``model_path`` that pycolmap would fail on, with the fix.
+
+    pycolmap reports an empty or damaged file by a consequence ("Rig with ID 1 does not exist", "Camera model does
+    not exist") and names only the folder; here each file it will read is checked first: empty (0 bytes), or a
+    .bin too short for its record count or whose counted records do not fit in its size."""
+    model_path = Path(model_path)
+    for f in _model_files(model_path):
+        size = f.stat().st_size
+        if size == 0:
+            problem = "the file is empty (0 bytes)"
+        elif f.suffix == ".bin":
+            problem = _bin_problem(f, size)
+        else:
+            problem = None
+        if problem:
+            raise UserError(f"{f}: cannot read this COLMAP model file: {problem}; {_FIX.format(dir=model_path)}")
 
 
 def level_dir(data_dir: Path, n: int) -> Path:
@@ -197,6 +331,7 @@ def import_model(model_path: Path, images_dir: Path, sparse_dir: Path, undistort
     t0 = time.perf_counter()
     name_map, rejected = name_map or {}, rejected or {}
     truth = read_ground_truth(ground_truth) if ground_truth is not None else None
+    check_model_files(model_path)
     try:
         rec = pycolmap.Reconstruction(str(model_path))
     except Exception as e:
