@@ -419,12 +419,23 @@ def save_checkpoint(path: str | Path, payload: dict) -> None:
         raise
 
 
+def _missing_checkpoint_hint(path: Path) -> str:
+    """How to make a missing checkpoint: for the pipeline's ``models/<scene>/<train|prune>/ckpt.pt`` the stage of
+    that one scene (``dvc repro train`` alone would train every scene), else the generic advice."""
+    parts = path.parts
+    if len(parts) >= 4 and parts[-1] == "ckpt.pt" and parts[-2] in ("train", "prune") and parts[-4] == "models":
+        scene, stage = parts[-3], parts[-2]
+        return (f"the {stage} stage of scene {scene!r} writes it: run `splatflow run {scene}` "
+                f"(or `dvc repro {stage}@{scene}`)")
+    return "run the stage that writes it (`splatflow run <scene>` runs a scene's pipeline up to it)"
+
+
 def load_checkpoint(path: str | Path) -> dict:
     """The raw checkpoint dict (CPU tensors), unvalidated: :meth:`Checkpoint.load` reads it as a model.
     Raises UserError for a missing or unreadable file."""
     path = Path(path)
     if not path.exists():
-        raise UserError(f"{path}: checkpoint not found; run the stage that writes it (e.g. `dvc repro train`)")
+        raise UserError(f"{path}: checkpoint not found; {_missing_checkpoint_hint(path)}")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # noqa: BLE001 - any unpickling failure means the file is unusable

@@ -235,3 +235,29 @@ def test_checkpoint_errors_name_the_file(tmp_path):
     with pytest.raises(UserError, match="nosh.pt: lacks shN"):
         load_splats(tmp_path / "nosh.pt")
     assert "splats" in load_checkpoint(tmp_path / "nosh.pt")  # the raw reader does not validate
+
+
+def test_a_missing_checkpoint_names_the_stage_and_scene_that_write_it(tmp_path):
+    """export/evaluate read the PRUNE checkpoint and prune reads the train one: the hint names that stage for that
+    scene only (`dvc repro train` would train every scene), from the path layout models/<scene>/<stage>/ckpt.pt."""
+    from splatflow.config import params_from_dict
+    from splatflow.paths import ScenePaths
+    from stages import export as export_stage
+
+    paths = ScenePaths("garden", tmp_path)
+    params = params_from_dict({"base": {"scenes": {"garden": str(tmp_path / "photos")}}})
+    with pytest.raises(UserError) as e:
+        export_stage.run(params, paths)  # the real export stage, before prune has run
+    assert str(e.value) == (f"{paths.prune_ckpt}: checkpoint not found; the prune stage of scene 'garden' writes it: "
+                            f"run `splatflow run garden` (or `dvc repro prune@garden`)")
+    with pytest.raises(UserError, match=r"train/ckpt\.pt: checkpoint not found; the train stage of scene 'garden' "
+                                        r"writes it: run `splatflow run garden` \(or `dvc repro train@garden`\)"):
+        Checkpoint.load(paths.train_ckpt)  # what the prune stage reads
+    with pytest.raises(UserError, match=r"models/garden/prune/ckpt\.pt: .*`dvc repro prune@garden`"):
+        load_splats("models/garden/prune/ckpt.pt")  # a project-relative path reads the same
+    # any other path: the generic hint
+    with pytest.raises(UserError, match=r"elsewhere\.pt: checkpoint not found; run the stage that writes it"):
+        load_checkpoint(tmp_path / "elsewhere.pt")
+    # once the file exists it is read (the hint is only for a missing file)
+    _splats(4).to_checkpoint(0).save(paths.prune_ckpt)
+    assert load_splats(paths.prune_ckpt)[0].n == 4
