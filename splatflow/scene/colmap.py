@@ -73,8 +73,8 @@ def model_dir(source: Path, colmap: str) -> Path:
 
 MODEL_FILES = ("cameras", "images", "points3D")
 _FIX = ("re-export the model from COLMAP (File > Export model, or `colmap model_converter --input_path <a readable "
-        "copy> --output_path {dir} --output_type BIN`), or drop base.scenes.<scene>.colmap so the sfm stage runs splatflow's own SfM on the "
-        "images alone")
+        "copy> --output_path {dir} --output_type BIN`), or drop base.scenes.<scene>.colmap so the sfm stage runs "
+        "splatflow's own SfM on the images alone")
 
 
 def _model_files(model_path: Path) -> list[Path]:
