@@ -83,6 +83,7 @@ def reproduce(root: Path, scene: str, *, main_root: Path, force: bool, stage_tim
     stages = dvcrun.stage_order(root, scene)
     if not stages:
         raise ValueError(f"dvc.yaml in {root} has no stages for scene {scene!r}: add it to base.scenes in params.yaml")
+    dvcrun.check_sources(root, [scene])  # a missing capture: a clear error before DVC removes the scene's outputs
     logger.info("scene %s: %d stages from DVC's graph: %s", scene, len(stages), " -> ".join(stages))
 
     uri = tracking.tracking_uri(main_root)

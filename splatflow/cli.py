@@ -162,9 +162,16 @@ def run(
     scenes = [scene] if scene else sorted(params.base.scenes)
     for s in scenes:
         params.scene(s)  # an unknown scene: a ConfigError naming `splatflow add-scene`
-    from splatflow.orchestrate.dvcrun import stage_env, stage_order
+    from splatflow.orchestrate.dvcrun import check_sources, stage_env, stage_order
 
-    targets = [t for s in scenes for t in stage_order(root, s)]
+    check_sources(root, scenes)  # a capture that is not there: say so before DVC removes the scene's outputs
+    targets = []
+    for s in scenes:
+        order = stage_order(root, s)
+        if not order:  # `dvc repro` with no targets would run every scene
+            raise UserError(f"dvc.yaml makes no stages for scene {s!r}; check its entry under base.scenes in "
+                            "params.yaml (a scene name must be a string: quote it) and dvc.yaml's foreach")
+        targets += order
     cmd = [_dvc(), "repro", *targets] + (["--force"] if force else [])
     from splatflow.orchestrate.workspace import run_foreground, workspace_lock
 

@@ -677,6 +677,12 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
     if origin is dict:
         check(isinstance(value, dict), key, "a mapping", value)
         k_tp, v_tp = args if args else (Any, Any)
+        if k_tp is str:
+            for k in value:
+                if not isinstance(k, str):  # YAML reads 123: or true: as a number or a bool; DVC keeps it so, and
+                    # then makes no stages for it
+                    raise ConfigError(f"params.yaml: {key}.{k}: this key is read as the {type(k).__name__} {k!r}, "
+                                      f"not a name; write it quoted ('{k}':)")
         return {str(k): _convert(v, v_tp, f"{key}.{k}") for k, v in value.items()}
     if tp is bool:
         check(isinstance(value, bool), key, "true or false", value)

@@ -62,6 +62,28 @@ def test_run_unknown_scene_fails_clearly(project):
     assert r.exit_code == 2 and "add-scene" in r.output
 
 
+def test_run_refuses_a_missing_capture_before_dvc_touches_anything(project):
+    """A scene whose source is not there (the demo before `splatflow demo-scene`, a capture on an unmounted drive):
+    one message per scene naming the path and the fix, exit 2, and the scene's earlier outputs left alone (DVC
+    removed ingest's outputs, the git-tracked metrics included, before failing on the missing dependency)."""
+    import yaml
+
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["base"]["scenes"]["kitchen"] = {"source": str(project / "gone" / "kitchen")}
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    kept = project / "metrics" / "kitchen" / "ingest.json"
+    kept.parent.mkdir(parents=True)
+    kept.write_text("{}")
+    r = CliRunner().invoke(app, ["run", "kitchen"])
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert f"base.scenes.kitchen.source = {project / 'gone' / 'kitchen'}" in r.output
+    assert "does not exist" in r.output and "add-scene kitchen" in r.output and "Nothing was run" in r.output
+    assert kept.read_text() == "{}"
+    r = CliRunner().invoke(app, ["run"])  # every scene: the demo's is not written yet either
+    assert r.exit_code == 2 and "splatflow demo-scene" in r.output and "base.scenes.kitchen" in r.output
+    assert "splatflow run SCENE" in r.output
+
+
 def test_every_command_line_of_the_docs_still_parses():
     """The commands moved into sub-apps keep their command lines: each answers --help at its documented place."""
     for args in (["demo-scene"], ["add-scene"], ["run"], ["ui"], ["serve"], ["flow"], ["batch"], ["runs", "reap"],

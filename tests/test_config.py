@@ -76,3 +76,12 @@ def test_exponent_without_dot_is_a_number(tmp_path):
         params_from_dict({"train": {"lr": {"means": "8e-5x"}}})
     with pytest.raises(ConfigError, match="split.every_n"):
         params_from_dict({"split": {"every_n": "8e1"}})  # integers stay strict
+
+
+def test_a_scene_key_yaml_reads_as_a_number_is_refused_with_the_fix():
+    """``123:`` under base.scenes is an int to YAML: DVC then makes no stages for it, and `splatflow run 123`
+    ran `dvc repro` without targets, i.e. every scene."""
+    with pytest.raises(ConfigError, match=r"base.scenes.123: this key is read as the int 123, not a name.*"
+                                          r"quoted \('123':\)"):
+        params_from_dict({"base": {"scenes": {123: {"source": "x"}}}})
+    assert "123" in params_from_dict({"base": {"scenes": {"123": {"source": "x"}}}}).base.scenes

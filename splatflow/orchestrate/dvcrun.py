@@ -92,6 +92,40 @@ def stage_order(root: str | Path, scene: str | None = None) -> list[str]:
     return names
 
 
+def check_sources(root: str | Path, scenes: list[str]) -> None:
+    """Refuse, before DVC starts, to run scenes whose capture is not there: a ``base.scenes.<scene>.source`` (the
+    ingest stage's DVC dependency) that does not exist. DVC would stop at that dependency with a bare errno -- and
+    only after removing the ingest stage's earlier outputs, the git-tracked ``metrics/<scene>/ingest.json``
+    included (an unmounted drive cost a finished scene its ingest). Raises a UserError that names each missing
+    path and the fix; nothing has run then."""
+    import yaml
+
+    from splatflow.errors import UserError
+
+    root = Path(root)
+    try:  # read as DVC reads it (the params are validated by the stages; a flow may drive another DVC project)
+        entries = (yaml.safe_load((root / "params.yaml").read_text()) or {}).get("base", {}).get("scenes", {})
+    except (OSError, yaml.YAMLError, AttributeError):
+        return
+    problems = []
+    for scene in scenes:
+        src = (entries.get(scene) or {}).get("source") if isinstance(entries, dict) else None
+        if not isinstance(src, str) or not src:
+            continue
+        path = Path(src) if Path(src).is_absolute() else root / src
+        if path.exists():
+            continue
+        if scene == "demo" and Path(src) == Path("data/raw/demo/images"):
+            fix = "write it with `splatflow demo-scene` (or run `make demo`)"
+        else:
+            fix = ("connect the drive it is on, or fix the path in params.yaml (`splatflow add-scene " + scene +
+                   " PATH --force` rewrites the entry)")
+        problems.append(f"base.scenes.{scene}.source = {src}: {path} does not exist; {fix}")
+    if problems:
+        raise UserError("\n".join(problems) + "\nNothing was run, and the scene's earlier outputs are untouched"
+                        + (" (name the scenes to run: `splatflow run SCENE`)" if len(scenes) > 1 else "") + ".")
+
+
 def scenes_in_graph(root: str | Path) -> list[str]:
     """Scene names that have stages in dvc.yaml (the ``foreach`` keys)."""
     seen: list[str] = []
