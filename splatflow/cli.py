@@ -102,6 +102,11 @@ def add_scene(
     params_path = root / "params.yaml"
     yaml = YAML()
     yaml.preserve_quotes = True
+    # written back as it was laid out: lists indented under their key, and null spelled out (ruamel's defaults
+    # re-indented train.resolution and left `downscale:` empty, changing lines the user never touched)
+    yaml.indent(mapping=2, sequence=4, offset=2)
+    yaml.representer.add_representer(
+        type(None), lambda rep, _: rep.represent_scalar("tag:yaml.org,2002:null", "null"))
     data = yaml.load(params_path.read_text())
     scenes = data.setdefault("base", {}).setdefault("scenes", {})
     if name in scenes and not force:

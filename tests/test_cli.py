@@ -26,6 +26,13 @@ def test_add_scene_folder_keeps_comments_and_validates(project):
     assert r.exit_code == 0, r.output
     text = (project / "params.yaml").read_text()
     assert "# splatflow parameters" in text  # comments survive the edit
+    # every other line as it was (nulls spelled out, lists where they were): the diff is the new entry alone
+    import difflib
+
+    before = (REPO / "params.yaml").read_text().splitlines()
+    changed = [d for d in difflib.unified_diff(before, text.splitlines(), lineterm="", n=0)
+               if d[:1] in "+-" and not d.startswith(("+++", "---"))]
+    assert changed == ["+    garden:", "+      source: captures/garden"], changed
     p = load_params(project / "params.yaml")
     assert p.scene("garden").source == "captures/garden"
     assert p.scene("demo").source == "data/raw/demo/images"  # existing scenes untouched
