@@ -399,6 +399,17 @@ class Checkpoint:
         return cls.from_dict(load_checkpoint(path), str(path))
 
 
+def _umask() -> int:
+    """The process's umask, read without setting it (``os.umask`` sets it process-wide, racing other threads)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
+
+
 def save_checkpoint(path: str | Path, payload: dict) -> None:
     """``torch.save`` to a temporary file in the same folder, then atomically rename over ``path``.
 
@@ -408,6 +419,7 @@ def save_checkpoint(path: str | Path, payload: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # as open() would create it (mkstemp's 0600 hid it from other users)
         with os.fdopen(fd, "wb") as f:
             torch.save(payload, f)
             f.flush()

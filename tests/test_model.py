@@ -261,3 +261,15 @@ def test_a_missing_checkpoint_names_the_stage_and_scene_that_write_it(tmp_path):
     # once the file exists it is read (the hint is only for a missing file)
     _splats(4).to_checkpoint(0).save(paths.prune_ckpt)
     assert load_splats(paths.prune_ckpt)[0].n == 4
+
+
+def test_a_checkpoint_is_created_with_the_umask_like_any_file(tmp_path):
+    """Written through a temporary file (mkstemp: mode 0600) and renamed: the result must carry the mode open()
+    would give, or a model trained by hand is unreadable to the other users of a shared machine."""
+    import os
+
+    save_checkpoint(tmp_path / "c.pt", {"splats": {}, "sh_degree": 0, "step": 0})
+    plain = tmp_path / "plain"
+    plain.write_bytes(b"")
+    assert (tmp_path / "c.pt").stat().st_mode & 0o777 == plain.stat().st_mode & 0o777
+    assert os.access(tmp_path / "c.pt", os.R_OK)
