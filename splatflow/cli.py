@@ -97,8 +97,8 @@ def add_scene(
     if path.is_file() and path.suffix.lower() not in VIDEO_SUFFIXES:
         raise UserError(f"{path} is a file but not a video ({', '.join(sorted(VIDEO_SUFFIXES))}); "
                         "give a folder of images or a video file")
-    if not all(c.isalnum() or c in "-_" for c in name):
-        raise UserError(f"scene name {name!r}: use letters, digits, '-' and '_' only")
+    if not name or not all(c.isascii() and (c.isalnum() or c in "-_") for c in name):
+        raise UserError(f"scene name {name!r}: use ASCII letters, digits, '-' and '_' only")
     params_path = root / "params.yaml"
     yaml = YAML()
     yaml.preserve_quotes = True
@@ -111,6 +111,10 @@ def add_scene(
     scenes = data.setdefault("base", {}).setdefault("scenes", {})
     if name in scenes and not force:
         raise UserError(f"scene {name!r} is already in params.yaml (use --force to replace it)")
+    twin = next((s for s in scenes if s != name and s.lower() == name.lower()), None)
+    if twin is not None:  # data/<name>, models/<name>: one folder on a case-insensitive file system
+        raise UserError(f"scene {name!r} differs from the existing scene {twin!r} only in case; their folders would "
+                        "collide on macOS and Windows file systems: choose another name")
 
     def rel(p: Path) -> str:
         p = p.resolve()

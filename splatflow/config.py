@@ -101,9 +101,9 @@ class BaseConfig:
         check(self.threads >= 1, "base.threads", "an integer >= 1", self.threads)
         for name in self.scenes:
             check(
-                bool(name) and all(c.isalnum() or c in "-_" for c in name),
+                bool(name) and all(c.isascii() and (c.isalnum() or c in "-_") for c in name),
                 f"base.scenes.{name}",
-                "a scene name of letters, digits, '-' and '_'",
+                "a scene name of ASCII letters, digits, '-' and '_'",
                 name,
             )
 

@@ -39,6 +39,10 @@ def test_add_scene_folder_keeps_comments_and_validates(project):
 
     again = CliRunner().invoke(app, ["add-scene", "garden", str(photos)])
     assert again.exit_code == 2 and "already" in again.output
+    twin = CliRunner().invoke(app, ["add-scene", "Garden", str(photos)])  # one folder on macOS / Windows
+    assert twin.exit_code == 2 and "only in case" in twin.output and "'garden'" in twin.output
+    accent = CliRunner().invoke(app, ["add-scene", "café", str(photos)])
+    assert accent.exit_code == 2 and "ASCII letters" in accent.output
 
 
 def test_add_scene_video_and_bad_inputs(project):
