@@ -26,8 +26,11 @@ with workspace_lock(sys.argv[1]):
 
 @pytest.fixture(scope="module")
 def proj(tmp_path_factory):
-    # no scene is generated: ingest fails at once, which is all a run that got the workspace needs to show here
-    return make_project(tmp_path_factory.mktemp("ws") / "proj", generate=False)
+    # no scene is generated, only its (empty) folder, so that `splatflow run` starts DVC: ingest then fails at once,
+    # which is all a run that got the workspace needs to show here
+    root = make_project(tmp_path_factory.mktemp("ws") / "proj", generate=False)
+    (root / "data" / "raw" / "tiny" / "images").mkdir(parents=True)
+    return root
 
 
 def _cli(root: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
