@@ -4,10 +4,11 @@ A stage process has exactly one owner of SIGTERM and SIGINT: the stage shell (``
 ``splatflow.tracking.stage_tracking`` call :func:`install`). Ctrl-C in a terminal sends SIGINT to the whole
 foreground process group, the stage included; it is the same request as SIGTERM. (Left to Python's default, it
 raised KeyboardInterrupt wherever the process was, often inside a numba kernel's callback, which wrapped it in a
-SystemError: a traceback, a FAILED MLflow run, and the training steps since the last periodic checkpoint lost.) The handler only records the request. Where the code cannot stop at a safe point by itself it
-raises :class:`StageStopped` at once (the next Python bytecode); inside :func:`cooperative` blocks -- the training
-loop -- it only sets the flag, and the loop polls :func:`requested`, writes its checkpoint and returns, after which
-the stage raises :class:`StageStopped` itself. Either way the process leaves with :data:`STOP_EXIT_CODE` (143 =
+SystemError: a traceback, a FAILED MLflow run, and the training steps since the last periodic checkpoint lost.)
+The handler only records the request. Where the code cannot stop at a safe point by itself it raises
+:class:`StageStopped` at once (the next Python bytecode); inside :func:`cooperative` blocks -- the training loop
+-- it only sets the flag, and the loop polls :func:`requested`, writes its checkpoint and returns, after which the
+stage raises :class:`StageStopped` itself. Either way the process leaves with :data:`STOP_EXIT_CODE` (143 =
 128 + SIGTERM, what a shell reports for a process killed by SIGTERM), which DVC and Prefect read as "stopped", and
 the MLflow run ends KILLED, not FAILED.
 
@@ -32,8 +33,8 @@ _cooperative = 0  # depth of nested cooperative() blocks
 
 
 class StageStopped(SystemExit):
-    """The stage was asked to stop (SIGTERM or Ctrl-C). A ``SystemExit`` with status 143, so the ``except Exception``
-    blocks of library code do not swallow it and the interpreter exits with that status."""
+    """The stage was asked to stop (SIGTERM or Ctrl-C). A ``SystemExit`` with status 143, so the ``except
+    Exception`` blocks of library code do not swallow it and the interpreter exits with that status."""
 
     def __init__(self, message: str = "stopped by SIGTERM"):
         super().__init__(STOP_EXIT_CODE)
