@@ -106,8 +106,8 @@ def stage_main(stage: str, run: RunFn, argv: list[str] | None = None, *, needs_t
     """Entry point shared by ``python -m stages.<stage> <scene>``.
 
     Exit status: 0 done, 2 a bad input or setting (the message says which and how to fix it), 3 not started
-    because another run writes in this checkout (the message names it), 143 stopped by SIGTERM or Ctrl-C (partial work kept
-    where the stage has any, e.g. train's checkpoint; rerun to continue), 1 a bug.
+    because another run writes in this checkout (the message names it), 143 stopped by SIGTERM or Ctrl-C (partial
+    work kept where the stage has any, e.g. train's checkpoint; rerun to continue), 1 a bug.
     """
     stop.install()  # SIGTERM and Ctrl-C from here on are a clean stop (exit 143), also while numba/torch load
     parser = argparse.ArgumentParser(prog=f"python -m stages.{stage}", description=f"splatflow {stage} stage")

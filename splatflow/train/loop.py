@@ -497,5 +497,5 @@ def finetune(splats: Splats, scene, steps: int, cfg: TrainConfig, *, sh_degree: 
     # the trainer draws from its own generators (seeded from ``seed``): the caller's random state is untouched
     res = Trainer(scene, cfg2, seed=seed, splats=splats, densify=False, schedules=sched).run()
     if stop.is_stop_label(res.stopped):  # a partial fine-tune is not a result: the caller must not use it
-        raise stop.StageStopped(f"stopped by SIGTERM during a fine-tune ({res.stopped})")
+        raise stop.StageStopped(f"stopped by {stop.label().upper()} during a fine-tune ({res.stopped})")
     return res.splats
