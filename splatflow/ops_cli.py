@@ -167,8 +167,14 @@ def serve(pool: str = typer.Option("splatflow", help="process work pool name"),
             signal.signal(s, signal.SIG_IGN)
         if started:
             typer.echo(f"stopping {len(started)} worker(s) and their flow runs ...")
+        pids = set().union(*(w.descendant_pids() for w in started))
         for w in started:
             w.stop()
+        try:
+            for name in servers.settle_flow_runs(pool, pids) if pids else []:
+                typer.echo(f"flow run {name}: its worker stopped before it had ended")
+        except Exception as e:  # the server gone too: Prefect ends such runs itself after its cancelling timeout
+            typer.echo(f"could not check the workers' flow runs on the Prefect server: {e}", err=True)
 
 
 @flows_app.command("flow", rich_help_panel=FLOWS)

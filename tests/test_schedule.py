@@ -235,6 +235,37 @@ def test_serve_stops_cleanly_with_a_batch_in_flight(stack, tmp_path):
     assert sorted((r.data.tags.get("splatflow.kind", "scene"), r.info.status) for r in runs) == \
         [("batch", "KILLED"), ("scene", "KILLED")]
     assert not any((toy / ".dvc" / "tmp" / "splatflow" / "wt").iterdir()), "the scene's worktree was left behind"
+    _check_settle_ends_only_the_stopped_workers_runs()
+
+
+def _check_settle_ends_only_the_stopped_workers_runs():
+    """Serve's last step: a run its stopped workers left CANCELLING (the server marks a parent's child runs
+    CANCELLING in its own time, maybe after the worker polled for the last time) becomes CANCELLED, one left
+    RUNNING CRASHED; a run whose process was not a worker's of this serve, or is still alive, is not touched."""
+    from prefect.client.orchestration import get_client
+    from prefect.states import Cancelling, Running
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    ours, live = {dead.pid, os.getpid()}, os.getpid()
+    with get_client(sync_client=True) as client:
+        dep = client.read_deployment_by_name("reconstruct/scene")
+        cases = {"stuck-cancelling": (dead.pid, "CANCELLING"), "stuck-running": (dead.pid, "RUNNING"),
+                 "other-host": (dead.pid + 1 if dead.pid + 1 not in ours else dead.pid + 2, "CANCELLING"),
+                 "alive": (live, "CANCELLING")}
+        ids = {}
+        for name, (pid, state) in cases.items():
+            run = client.create_flow_run_from_deployment(dep.id, name=name)
+            client.update_flow_run(run.id, infrastructure_pid=f"somehost:{pid}" if name == "other-host" else str(pid))
+            client.set_flow_run_state(run.id, Running(), force=True)
+            if state == "CANCELLING":
+                client.set_flow_run_state(run.id, Cancelling(), force=True)
+            ids[name] = run.id
+        settled = servers.settle_flow_runs(dep.work_pool_name, ours)
+        after = {name: client.read_flow_run(i).state.type.value for name, i in ids.items()}
+    assert sorted(settled) == ["stuck-cancelling (CANCELLED)", "stuck-running (CRASHED)"], settled
+    assert after == {"stuck-cancelling": "CANCELLED", "stuck-running": "CRASHED", "other-host": "CANCELLING",
+                     "alive": "CANCELLING"}, after
 
 
 def test_flows_load_by_file_path_from_the_project_folder(tmp_path):

@@ -94,6 +94,15 @@ class Server:
         except OSError:
             return ""
 
+    def descendant_pids(self) -> set[int]:
+        """Pids of every process below this one now (a worker's flow-run processes among them)."""
+        import psutil
+
+        try:
+            return {k.pid for k in psutil.Process(self.proc.pid).children(recursive=True)}
+        except psutil.Error:
+            return set()
+
     def stop(self, grace_s: float = 10.0, children_grace_s: float = 30.0) -> None:
         """SIGTERM the process groups its descendants started for themselves first (a worker's flow runs and
         the DVC stage each one runs), and give them ``children_grace_s`` to clean up -- a Prefect worker that is
@@ -195,6 +204,43 @@ def start_worker(pool: str, *, api_url: str, name: str | None = None, limit: int
     log = log_dir / f"worker-{name}.log"
     proc = _spawn("worker", cmd, log, env, cwd=cwd)
     return Server(f"worker {name}", api_url, proc, log, env=env)
+
+
+def settle_flow_runs(pool: str, pids: set[int]) -> list[str]:
+    """After this machine's workers of ``pool`` have stopped: end the flow runs they were running that are not
+    in a final state, and return their names.
+
+    A worker kills a run that turns CANCELLING (its parent batch was cancelled) the next time it polls; a
+    worker stopped before then leaves the run CANCELLING, and Prefect's server only cancels it itself after
+    ``cancelling_timeout_seconds`` (5 minutes), so the UI showed a stopped batch's scene still being cancelled.
+    A run is ours when its ``infrastructure_pid`` (the flow-run process a process worker started) is one of
+    ``pids``, the workers' processes taken before they were stopped (and now gone): CANCELLING becomes
+    CANCELLED, anything else not final CRASHED."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType
+    from prefect.client.schemas.filters import WorkPoolFilter, WorkPoolFilterName
+    from prefect.client.schemas.objects import StateType
+    from prefect.states import Cancelled, Crashed
+
+    import psutil
+
+    live = ("PENDING", "RUNNING", "CANCELLING", "PAUSED")
+    settled = []
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(state=FlowRunFilterState(
+                type=FlowRunFilterStateType(any_=[StateType(t) for t in live]))),
+            work_pool_filter=WorkPoolFilter(name=WorkPoolFilterName(any_=[pool])))
+        for run in runs:
+            pid = str(run.infrastructure_pid or "").rpartition(":")[2]
+            if not pid.isdigit() or int(pid) not in pids or psutil.pid_exists(int(pid)):
+                continue
+            why = "its worker was stopped by `splatflow serve`"
+            state = (Cancelled(message=f"cancelled: {why}") if run.state.type == StateType.CANCELLING
+                     else Crashed(message=f"crashed: {why} while it ran"))
+            client.set_flow_run_state(run.id, state, force=True)
+            settled.append(f"{run.name} ({state.type.value})")
+    return settled
 
 
 def python_exe() -> str:
