@@ -30,12 +30,19 @@ def run(params: Params, paths: ScenePaths) -> dict:
     summary = evaluate_scene(paths.prune_ckpt, paths.undistorted_dir, paths.split_json, cfg,
                              renders_dir=renders if cfg.save_renders else None, per_view_csv=paths.per_view_csv,
                              train_json=paths.metrics_json("train"), scene=scene, resolution=resolution)
-    lp = ", ".join(f"{v} {summary[v]:.4f}" if summary[v] is not None else f"{v} null" for v in cfg.lpips_variants)
-    print(f"evaluate [{paths.scene}]: {summary['test_views']} test views: PSNR {summary['psnr']:.2f} dB, "
-          f"SSIM {summary['ssim']:.4f}, {lp}; {summary['fps']:.1f} FPS, {summary['gaussians']} Gaussians")
+    print(f"evaluate [{paths.scene}]: {summary_line(summary, cfg.lpips_variants)}")
     for v, why in summary["protocol"]["lpips_null_reasons"].items():
         print(f"evaluate [{paths.scene}]: {v} is null: {why}")
     return summary
+
+
+def summary_line(summary: dict, lpips_variants) -> str:
+    """``3 test views: PSNR 21.71 dB, SSIM 0.5436, lpips_alex 0.1234; 56.5 FPS, 463 Gaussians`` (no LPIPS part when
+    ``evaluate.lpips_variants`` is empty)."""
+    scores = [f"PSNR {summary['psnr']:.2f} dB", f"SSIM {summary['ssim']:.4f}"]
+    scores += [f"{v} {summary[v]:.4f}" if summary[v] is not None else f"{v} null" for v in lpips_variants]
+    return (f"{summary['test_views']} test views: {', '.join(scores)}; {summary['fps']:.1f} FPS, "
+            f"{summary['gaussians']} Gaussians")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -170,3 +170,13 @@ def test_8bit_quantised_render_reproduces_the_saved_ground_truth_exactly(tmp_pat
     assert (df["psnr"] == math.inf).all() and summary["psnr"] == math.inf
     assert summary["protocol"]["render_quantized_8bit"] is True and "inf" in summary["protocol"]["note"]
     assert df["ssim"].min() > 0.99999
+
+
+def test_summary_line_without_lpips_has_no_empty_item():
+    """With `evaluate.lpips_variants: []` (a quick run) the console line read `SSIM 0.5436, ; 56.5 FPS`."""
+    summary = {"test_views": 3, "psnr": 21.714, "ssim": 0.54361, "fps": 56.49, "gaussians": 463,
+               "lpips_alex": 0.12345, "lpips_vgg": None}
+    assert evaluate_stage.summary_line(summary, []) == \
+        "3 test views: PSNR 21.71 dB, SSIM 0.5436; 56.5 FPS, 463 Gaussians"
+    assert evaluate_stage.summary_line(summary, ["lpips_alex", "lpips_vgg"]) == \
+        "3 test views: PSNR 21.71 dB, SSIM 0.5436, lpips_alex 0.1235, lpips_vgg null; 56.5 FPS, 463 Gaussians"
