@@ -168,6 +168,32 @@ def _png_data_uri(fig) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
 
 
+def resolution_phases(df) -> list[tuple[int, int, str]]:
+    """``(first step, last step, label)`` per resolution phase of ``plots/S/train.csv``, for the shading.
+
+    A phase is a contiguous run of one ``phase`` value (the coarse-to-fine level). Its label is the image size it
+    trained at, or every size seen in it, smallest first, one per line: a capture with images of several sizes logs
+    the size of each row's view, which changes from row to row within a phase. Files without a ``phase`` column
+    fall back to runs of one ``resolution`` value."""
+    if "resolution" not in df.columns:
+        return []
+    res = df["resolution"].astype(str).tolist()
+    key = df["phase"].tolist() if "phase" in df.columns else res
+    spans, start = [], 0
+    for i in range(1, len(key) + 1):
+        if i == len(key) or key[i] != key[start]:
+            sizes = list(dict.fromkeys(res[start:i]))
+
+            def pixels(r: str) -> int:
+                w, _, h = r.partition("x")
+                return int(w) * int(h) if w.isdigit() and h.isdigit() else 0
+
+            spans.append((int(df["step"].iloc[start]), int(df["step"].iloc[i - 1]),
+                          "\n".join(sorted(sizes, key=pixels))))
+            start = i
+    return spans
+
+
 def training_curves(train_csv: Path) -> str | None:
     """Loss, PSNR, Gaussian count and blur sigma against step; resolution phases shaded and labelled."""
     import matplotlib
@@ -184,25 +210,18 @@ def training_curves(train_csv: Path) -> str | None:
     fig, axes = plt.subplots(2, 2, figsize=(11, 6.4), sharex=True)
     panels = [("loss", "training loss (L1 + SSIM mix)"), ("psnr", "training PSNR (dB, current batch)"),
               ("gaussians", "Gaussians"), ("sigma", "blur sigma (px)")]
-    # Resolution phases: contiguous runs of one "resolution" value, shaded alternately and labelled on top.
-    spans = []
-    if "resolution" in df.columns:
-        res = df["resolution"].astype(str).tolist()
-        start = 0
-        for i in range(1, len(res) + 1):
-            if i == len(res) or res[i] != res[start]:
-                spans.append((df["step"].iloc[start], df["step"].iloc[i - 1], res[start]))
-                start = i
+    spans = resolution_phases(df)
     for ax, (col, title) in zip(axes.flat, panels):
         for k, (a, b, label) in enumerate(spans):
             if k % 2:
                 ax.axvspan(a, b, color="0.92", zorder=0)
             ax.axvline(a, color="0.6", lw=0.6, ls="--", zorder=1)
         if col in df.columns:
-            ax.plot(df["step"], df[col], lw=1.1, color="C0" if col != "sigma" else "C3")
+            ax.plot(df["step"], df[col], lw=1.1, color="C0" if col != "sigma" else "C3",
+                    label="loss" if col == "loss" else None)
             if col == "loss" and "l1" in df.columns:
                 ax.plot(df["step"], df["l1"], lw=0.8, color="C1", alpha=0.7, label="L1")
-                ax.legend(loc="upper right", fontsize=8)
+                ax.legend(loc="upper right", bbox_to_anchor=(1, 0.85), fontsize=8)  # below the size labels
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
     for ax in axes[1]:

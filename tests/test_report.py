@@ -180,3 +180,22 @@ def test_missing_viewer_script_names_the_command(tmp_path, monkeypatch):
     monkeypatch.setattr(webbundle, "bundle_path", lambda: tmp_path / "missing.js")
     with pytest.raises(UserError, match="make web"):
         report.build_report(ScenePaths("demo", tmp_path))
+
+
+def test_training_plot_phases_of_a_capture_with_two_image_sizes():
+    """A photo folder with 320x240 and 640x480 images logs each row's view size, so the size changes from row to row
+    within one coarse-to-fine phase: the plot drew a dashed phase line and an overlapping size label at almost every
+    row (17 "phases" for 5). Phases follow the `phase` column; a phase's label lists its sizes."""
+    import pandas as pd
+
+    from splatflow.report import resolution_phases
+
+    rows = [(10, 0, "80x60"), (20, 1, "80x60"), (30, 1, "160x120"), (40, 2, "160x120"), (50, 2, "320x240"),
+            (60, 2, "160x120"), (70, 2, "320x240"), (80, 3, "239x179"), (90, 3, "239x179"), (100, 3, "479x359"),
+            (110, 3, "239x179"), (130, 4, "319x239"), (140, 4, "639x479"), (150, 4, "319x239")]
+    df = pd.DataFrame(rows, columns=["step", "phase", "resolution"])
+    assert resolution_phases(df) == [(10, 10, "80x60"), (20, 30, "80x60\n160x120"), (40, 70, "160x120\n320x240"),
+                                     (80, 110, "239x179\n479x359"), (130, 150, "319x239\n639x479")]
+    single = pd.DataFrame([(10, 0, "80x60"), (20, 0, "80x60"), (30, 1, "160x120")], columns=df.columns)
+    assert resolution_phases(single) == [(10, 20, "80x60"), (30, 30, "160x120")]
+    assert resolution_phases(single.drop(columns="phase")) == [(10, 20, "80x60"), (30, 30, "160x120")]
