@@ -39,7 +39,7 @@ def _quiet_env() -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
-def _use_local_prefect_server() -> None:
+def _use_local_prefect_server(say_temporary: bool = True) -> None:
     """Without ``PREFECT_API_URL``, use a Prefect server on 127.0.0.1:4200 when one answers (``splatflow ui``):
     the runs then show in its UI, and no 6-9 s ephemeral server is started per process."""
     _quiet_env()
@@ -55,8 +55,37 @@ def _use_local_prefect_server() -> None:
             if r.status == 200:
                 os.environ["PREFECT_API_URL"] = url
     except OSError:
-        typer.echo(f"(no Prefect server on 127.0.0.1:{PREFECT_PORT}: using a temporary one; start `splatflow ui` "
-                   "to see runs in the Prefect UI)", err=True)
+        if say_temporary:
+            typer.echo(f"(no Prefect server on 127.0.0.1:{PREFECT_PORT}: using a temporary one; start `splatflow ui` "
+                       "to see runs in the Prefect UI)", err=True)
+
+
+SCENE_DEPLOYMENT = "reconstruct/scene"  # what `splatflow serve` deploys and a batch hands its scenes to
+_NO_DEPLOYMENT_FIX = ("`splatflow serve --workers 2` in another terminal and run the batch again, or add --local to "
+                      "run the scenes in this process, one after another")
+
+
+def _require_deployment(name: str) -> None:
+    """A batch without --local hands each scene to the deployment ``name`` on the Prefect server; without it every
+    scene failed with Prefect's ``ObjectNotFound: None`` under pages of tracebacks. Say what to start instead."""
+    url = os.environ.get("PREFECT_API_URL")
+    if not url:  # a temporary server was going to be started: it holds no deployments
+        raise UserError(f"a batch runs its scenes through the {name!r} deployment's workers, but no Prefect server "
+                        f"answers on 127.0.0.1:{PREFECT_PORT} (and PREFECT_API_URL is not set): start `splatflow ui`, then "
+                        + _NO_DEPLOYMENT_FIX)
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    try:
+        with get_client(sync_client=True) as client:
+            client.read_deployment_by_name(name)
+    except ObjectNotFound:
+        raise UserError(f"the Prefect server at {url} has no deployment {name!r} (`splatflow serve` creates it): start "
+                        + _NO_DEPLOYMENT_FIX) from None
+    except Exception as e:  # connection refused, timeout, a proxy's error page
+        raise UserError(f"cannot reach the Prefect server at {url} (PREFECT_API_URL) to find the deployment "
+                        f"{name!r}: {type(e).__name__}: {e}. Start it (`splatflow ui`), fix PREFECT_API_URL, or "
+                        "add --local to run the scenes in this process") from None
 
 
 def _flows():
@@ -209,12 +238,14 @@ def batch_cmd(scenes: Optional[list[str]] = typer.Argument(None, help="scenes (d
     from splatflow.orchestrate.workspace import parse_override
 
     configs = [dict(parse_override(kv) for kv in c.split(",") if kv.strip()) for c in sweep or []] or None
-    _use_local_prefect_server()
+    _use_local_prefect_server(say_temporary=local)
+    if not local:
+        _require_deployment(SCENE_DEPLOYMENT)
     root = _flows()
     from flows.batch import batch
 
     res = batch(scenes=scenes or None, sweep=configs, max_concurrent=max_concurrent,
-                deployment=None if local else "reconstruct/scene", repo=str(root), force=force)
+                deployment=None if local else SCENE_DEPLOYMENT, repo=str(root), force=force)
     for r in res:
         typer.echo(f"{r['job']}: {r['state']}")
 

@@ -1,3 +1,4 @@
+import os
 import shutil
 from pathlib import Path
 
@@ -130,3 +131,31 @@ def test_one_repo_root(tmp_path):
     assert paths.project_root(exp / "stages") == exp  # where the experiment's stages read and write
     assert paths.repo_root(exp / "stages") == tmp_path / "repo"  # where its MLflow store is
     assert paths.require_project_root(tmp_path / "repo" / "data") == tmp_path / "repo"
+
+
+def test_batch_without_a_served_deployment_says_what_to_start(project):
+    """`splatflow batch A B` (the README's line) with no `splatflow serve` running ended, after a temporary Prefect
+    server had started, in every scene's `ObjectNotFound: None` under ~600 lines of tracebacks. It now stops at once
+    and names `splatflow serve` and --local."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:  # a loopback port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    exe = str(Path(sys.executable).parent / "splatflow")
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    # no server at all: `ui` and `serve` to start (the port looked for is PREFECT_PORT: point it at the dead one)
+    code = ("import sys; from splatflow import ops_cli; ops_cli.PREFECT_PORT = int(sys.argv[1]); "
+            "from splatflow.cli import main; sys.argv = ['splatflow', 'batch', 'demo', 'other']; main()")
+    r = subprocess.run([sys.executable, "-c", code, str(dead)], cwd=project, env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "no Prefect server answers" in r.stderr and "splatflow serve" in r.stderr and "--local" in r.stderr
+    assert "Traceback" not in r.stderr and "temporary" not in r.stderr
+    # a server that does not answer at PREFECT_API_URL
+    r = subprocess.run([exe, "batch", "demo"], cwd=project, capture_output=True, text=True, timeout=60,
+                       env={**env, "PREFECT_API_URL": f"http://127.0.0.1:{dead}/api"})
+    assert r.returncode == 2 and "cannot reach the Prefect server" in r.stderr and "--local" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
