@@ -9,6 +9,7 @@ an old commit -- gets its own **git worktree** (``git worktree add --detach``) u
   are checked out from the cache instead of recomputed, and results computed there land in the shared cache;
 * the raw scene sources (``base.scenes.*.source`` / ``ground_truth``), which are untracked captures, linked from
   the main checkout when the worktree lacks them;
+* the git-ignored build outputs the stages need (the report's viewer script, ``splatflow/web/dist/``), copied;
 * param overrides applied to the worktree's ``params.yaml`` (``{"train.max_steps": 100}``), never to the user's.
 
 Runs in the checkout itself (``inplace`` flows and ``splatflow run``) hold ``.splatflow/workspace.lock`` so two never
@@ -101,6 +102,23 @@ def _link_sources(main: Path, wt: Path) -> list[str]:
     return linked
 
 
+#: Git-ignored build outputs a stage needs, copied from the main checkout into a worktree that lacks them: the
+#: report's viewer script (``make web``), which the report stage inlines and will not download.
+BUILD_OUTPUTS = ("splatflow/web/dist",)
+
+
+def _copy_build_outputs(main: Path, wt: Path) -> list[str]:
+    """Copy :data:`BUILD_OUTPUTS` from the main checkout (copies, not links: a rebuild there must not change a run in
+    flight; a bundle built from other web sources than the worktree's commit is still refused by the report)."""
+    copied = []
+    for rel in BUILD_OUTPUTS:
+        src, dst = main / rel, wt / rel
+        if src.is_dir() and not dst.exists():
+            shutil.copytree(src, dst)
+            copied.append(rel)
+    return copied
+
+
 @contextlib.contextmanager
 def worktree(main: str | Path, rev: str = "HEAD", *, name: str | None = None, overrides: dict | None = None,
              keep: bool = False) -> Iterator[Path]:
@@ -123,6 +141,7 @@ def worktree(main: str | Path, rev: str = "HEAD", *, name: str | None = None, ov
         if (path / ".dvc").is_dir():
             cfg.write_text(f"[core]\n    analytics = false\n[cache]\n    dir = {cache}\n")
         _link_sources(main, path)
+        _copy_build_outputs(main, path)
         if overrides:
             apply_overrides(path / "params.yaml", overrides)
         yield path
