@@ -81,13 +81,21 @@ def launch_scene(job: dict[str, Any], deployment: Optional[str], limit: str) -> 
                                 flow_run_name=f"{label}")
             state = fr.state.type.value if fr.state else "UNKNOWN"
             logger.info("%s: flow run %s ended %s", label, fr.name, state)
-            return {"job": label, "flow_run_id": str(fr.id), "state": state}
+            out = {"job": label, "flow_run_id": str(fr.id), "state": state}
+            if state != "COMPLETED":
+                out["reason"] = dvcrun.failure_reason(fr.state.message if fr.state else "")
+                logger.error("%s: %s", label, out["reason"])
+            return out
         from flows.reconstruct import reconstruct
 
         st = reconstruct(**job, return_state=True)
         res = st.result(raise_on_failure=False) if st.is_completed() else None
         skipped = res.get("skipped") if isinstance(res, dict) else None
-        return {"job": label, "flow_run_id": "", "state": st.type.value, "skipped": skipped}
+        out = {"job": label, "flow_run_id": "", "state": st.type.value, "skipped": skipped}
+        if not st.is_completed():
+            out["reason"] = dvcrun.failure_reason(st.message or "")
+            logger.error("%s: %s", label, out["reason"])
+        return out
 
 
 @flow(name="batch", log_prints=True)
@@ -134,8 +142,9 @@ def batch(scenes: Optional[list[str]] = None, sweep: Optional[list[dict[str, Any
         with contextlib.suppress(Exception):
             _publish_table(parent.client, parent.run_id)
     if failed:
-        raise RuntimeError(f"{len(failed)} of {len(results)} scene runs did not complete: "
-                           + ", ".join(f"{r['job']} ({r['state']})" for r in failed))
+        raise RuntimeError(f"{len(failed)} of {len(results)} scene runs did not complete "
+                           f"({', '.join(r['job'] for r in results if r not in failed) or 'none'} did):\n"
+                           + "\n".join(f"  {r['job']} ({r['state']}): {r.get('reason', '')}" for r in failed))
     return results
 
 

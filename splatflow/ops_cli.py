@@ -244,10 +244,14 @@ def batch_cmd(scenes: Optional[list[str]] = typer.Argument(None, help="scenes (d
     root = _flows()
     from flows.batch import batch
 
-    res = batch(scenes=scenes or None, sweep=configs, max_concurrent=max_concurrent,
-                deployment=None if local else SCENE_DEPLOYMENT, repo=str(root), force=force)
+    state = batch(scenes=scenes or None, sweep=configs, max_concurrent=max_concurrent,
+                  deployment=None if local else SCENE_DEPLOYMENT, repo=str(root), force=force, return_state=True)
+    res = state.result(raise_on_failure=False)
+    if isinstance(res, BaseException):  # some scene failed: each one's reason, after Prefect's log of the flow
+        typer.secho(f"\nbatch: {res}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1)
     for r in res:
-        typer.echo(f"{r['job']}: {r['state']}")
+        typer.echo(f"{r['job']}: {r['state']}" + (f" ({r['skipped']})" if r.get("skipped") else ""))
 
 
 @runs_app.command("reap")

@@ -27,15 +27,39 @@ LOCK_BUSY = re.compile(r"Unable to acquire lock|is busy|LockError", re.IGNORECAS
 KILL_GRACE_S = 10.0
 
 
+#: The stage's own exit status in DVC's ``failed to run: python -m stages.x S, exited with N`` (DVC itself exits 255).
+_STAGE_STATUS = re.compile(r"exited with (-?\d+)")
+#: The one-paragraph message of a stage that stopped on a bad input (``splatflow.stage.stage_main``).
+_STAGE_MESSAGE = re.compile(r"^splatflow \S+ \[[^\]]*\] failed: .*$", re.MULTILINE)
+
+
+def stage_status(returncode: int, tail: str) -> int:
+    """The stage process's exit status: DVC exits 255 for any failed stage and names the stage's own in its text."""
+    found = _STAGE_STATUS.findall(tail)
+    return int(found[-1]) if found else returncode
+
+
+def failure_reason(text: str) -> str:
+    """One line saying why a scene's run failed, from a :class:`StageFailed` message or a flow run state's message:
+    the stage's own ``splatflow <stage> [<scene>] failed: ...`` line when there is one, else the first line."""
+    found = _STAGE_MESSAGE.findall(text or "")
+    if found:
+        return found[-1].strip()
+    lines = [ln.strip() for ln in (text or "").splitlines() if ln.strip()]
+    return lines[0] if lines else "no message"
+
+
 class StageFailed(RuntimeError):
     """A DVC stage exited non-zero: deterministic (bad input, bug) -- retrying would fail the same way."""
 
     def __init__(self, stage: str, returncode: int, tail: str):
         self.stage, self.returncode, self.tail = stage, returncode, tail
-        hint = " (bad input or setting: see the message above)" if returncode == 2 else ""
-        if returncode == 143 or "exited with 143" in tail:  # the stage's own status, as DVC reports it
+        status = stage_status(returncode, tail)  # 2, 143, 1: the stage's; DVC's own is 255 whatever happened
+        hint = " (bad input or setting: see the message above)" if status == 2 else ""
+        if status == 143:
             hint = " (stopped by SIGTERM: partial work kept where the stage has any; rerun to continue)"
-        super().__init__(f"stage {stage} failed with exit code {returncode}{hint}:\n{tail}")
+        code = f"exit code {status}" if status == returncode else f"exit code {status} (dvc: {returncode})"
+        super().__init__(f"stage {stage} failed with {code}{hint}:\n{tail}")
 
 
 class WorkspaceBusy(StageFailed):

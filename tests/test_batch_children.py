@@ -1,0 +1,62 @@
+"""What a batch child needs: the throw-away git worktree it runs in (splatflow.orchestrate.workspace), and a one-line
+reason when its scene fails (splatflow.orchestrate.dvcrun)."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from splatflow.orchestrate import dvcrun
+from splatflow.orchestrate.workspace import worktree
+from tests._project import make_project
+
+
+def _git(root: Path, *args: str) -> None:
+    subprocess.run(["git", "-c", "user.email=t@splatflow", "-c", "user.name=t", *args], cwd=root, check=True,
+                   capture_output=True)
+
+
+def test_worktree_gets_the_report_viewer_script_of_the_checkout(tmp_path):
+    """The viewer script (`make web`) is git-ignored, so a worktree of a real checkout had none and every scene of a
+    `splatflow batch` failed at its report stage ("splat-viewer.js is missing: run `make web`"), after training.
+    (The test projects link splatflow/ itself, which hid it.)"""
+    main = tmp_path / "proj"
+    web = main / "splatflow" / "web"
+    (web / "dist").mkdir(parents=True)
+    (web / "package.json").write_text("{}\n")
+    (main / ".gitignore").write_text("splatflow/web/dist/\n")
+    (main / "params.yaml").write_text("base:\n  scenes: {}\n")
+    _git(main, "init", "-q")
+    _git(main, "add", "-A")
+    _git(main, "commit", "-qm", "project")
+    (web / "dist" / "splat-viewer.js").write_text("/* bundle */\n")
+    (web / "dist" / "sources.sha256").write_text("abc\n")
+
+    with worktree(main) as wt:
+        assert wt != main and (wt / "splatflow" / "web" / "package.json").is_file()
+        for name in ("splat-viewer.js", "sources.sha256"):
+            copied = wt / "splatflow" / "web" / "dist" / name
+            assert copied.is_file() and not copied.is_symlink()
+            assert copied.read_bytes() == (web / "dist" / name).read_bytes()
+    assert not wt.exists()
+
+
+def test_a_failed_stage_says_its_own_exit_status_and_one_line_why(tmp_path):
+    """A batch over a good scene and a two-photo folder ended in `walkrot (FAILED), two (FAILED)` and a traceback:
+    no reason (it was in a worker's log), and StageFailed said `exit code 255` -- DVC's status for any failed stage --
+    so its `bad input or setting` hint never showed. The real ingest stage of a two-image scene, through DVC:"""
+    root = make_project(tmp_path / "proj", scene="two",
+                        scene_options=dict(n_views=2, width=160, height=120, arc_deg=8.0, seed=0))
+    with pytest.raises(dvcrun.StageFailed) as e:
+        dvcrun.run_dvc_stage(root, "ingest@two", env=dvcrun.stage_env({"SPLATFLOW_TRACKING": "off"}))
+    text = str(e.value)
+    assert text.startswith("stage ingest@two failed with exit code 2 (dvc: 255) (bad input or setting"), text[:300]
+    reason = dvcrun.failure_reason(text)
+    assert reason.startswith("splatflow ingest [two] failed: ") and "only 2 usable images of 2" in reason, reason
+    assert "\n" not in reason
+    # a Prefect state's message wraps the same text; a failure with no stage message gives its first line
+    assert dvcrun.failure_reason(f"Flow run encountered an exception: StageFailed: {text}") == reason
+    assert dvcrun.failure_reason("Flow run encountered an exception: ValueError: no scenes\nmore") == \
+        "Flow run encountered an exception: ValueError: no scenes"
