@@ -9,6 +9,7 @@ tests/test_flows.py.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -301,3 +302,28 @@ def test_rerun_without_an_original_is_not_a_success(tmp_path):
     (tmp_path / "bench").mkdir()
     (tmp_path / "bench" / "variance.json").write_text('{"psnr_spread_db": 0.31}')
     assert measured_psnr_spread(tmp_path) == 0.31
+
+
+def test_a_stage_rerun_does_not_keep_seeded_metrics_it_no_longer_produces(tmp_path, monkeypatch):
+    """A new scene run is seeded with the current metrics/<scene>/*.json. Rerunning export with only `formats: [spz]`
+    left the run claiming the earlier run's `export.files.ply.bytes` and `.gaussians` (and an LPIPS variant now null
+    kept its old score): `splatflow compare` and the MLflow UI showed a PLY this run never wrote. What the stage's
+    new result lacks is logged as NaN."""
+    from splatflow.tracking.runs import create_scene_run
+    from splatflow.tracking.stage import StageTracker
+
+    monkeypatch.setenv("SPLATFLOW_TRACKING", "on")
+    (tmp_path / "metrics" / "s").mkdir(parents=True)
+    (tmp_path / "metrics" / "s" / "export.json").write_text(json.dumps(
+        {"gaussians": 463, "files": {"ply": {"bytes": 116352}, "spz": {"bytes": 8665}}}))
+    (tmp_path / "metrics" / "s" / "evaluate.json").write_text(json.dumps({"psnr": 21.7, "lpips_vgg": 0.3}))
+    cl = tracking.client(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run_id = create_scene_run(cl, "s", tmp_path)
+    assert cl.get_run(run_id).data.metrics["export.files.ply.bytes"] == 116352  # seeded
+
+    StageTracker("export", "s", tmp_path, None, cl, run_id).log_result(
+        {"gaussians": 461, "files": {"spz": {"bytes": 7913}}})
+    StageTracker("evaluate", "s", tmp_path, None, cl, run_id).log_result({"psnr": 21.8, "lpips_vgg": None})
+    m = cl.get_run(run_id).data.metrics
+    assert m["export.gaussians"] == 461 and m["export.files.spz.bytes"] == 7913 and m["evaluate.psnr"] == 21.8
+    assert math.isnan(m["export.files.ply.bytes"]) and math.isnan(m["evaluate.lpips_vgg"])

@@ -39,8 +39,18 @@ class StageTracker:
         """Log a stage's final metrics as ``<stage>.<name>`` (called by stage_main after ``run``)."""
         self.result = dict(metrics or {})
         if self.active:
-            self._safe(log_batch, self.client, self.run_id, metrics=numeric_metrics(self.result, self.stage),
+            new = numeric_metrics(self.result, self.stage)
+            stale = self._safe(self._stale_keys, new) or []
+            self._safe(log_batch, self.client, self.run_id, metrics={**new, **dict.fromkeys(stale, float("nan"))},
                        tags=device_tags(self.stage, self.result))
+
+    def _stale_keys(self, new: dict[str, float]) -> list[str]:
+        """``<stage>.*`` metrics the run holds that this result lacks: values seeded from an earlier run's
+        ``metrics/<scene>/<stage>.json`` (a format no longer exported, an LPIPS variant now null) that would
+        otherwise stand in this run as if this stage had produced them. They are logged as NaN (MLflow shows the
+        latest value)."""
+        held = self.client.get_run(self.run_id).data.metrics
+        return sorted(k for k in held if k.startswith(f"{self.stage}.") and k not in new)
 
     def log_artifacts(self, files: Iterable[Path]) -> None:
         if self.active:
