@@ -268,7 +268,8 @@ def reap_cmd(older_than_hours: Optional[float] = typer.Option(
 
 
 @runs_app.command("list")
-def list_cmd(n: int = typer.Option(10, help="how many"), scene: Optional[str] = typer.Option(None)):
+def list_cmd(n: int = typer.Option(10, "-n", "--n", "--limit", help="how many"),
+             scene: Optional[str] = typer.Option(None, help="only the runs of this scene")):
     """The newest runs (any status)."""
     from splatflow import tracking
 

@@ -159,3 +159,12 @@ def test_batch_without_a_served_deployment_says_what_to_start(project):
                        env={**env, "PREFECT_API_URL": f"http://127.0.0.1:{dead}/api"})
     assert r.returncode == 2 and "cannot reach the Prefect server" in r.stderr and "--local" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_runs_list_takes_the_usual_count_option(project, monkeypatch):
+    """`splatflow runs list -n 5` said `No such option: -n` (only the odd `--n` existed)."""
+    monkeypatch.setenv("SPLATFLOW_TRACKING", "on")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{project / 'mlflow.db'}")
+    for flag in ("-n", "--limit", "--n"):
+        r = CliRunner().invoke(app, ["runs", "list", flag, "5"])
+        assert r.exit_code == 0, (flag, r.output)
