@@ -155,6 +155,21 @@ def add_scene(
     os.replace(tmp, params_path)
     kind = f" (COLMAP dataset, model {entry['colmap']}: SfM is not run again)" if "colmap" in entry else ""
     typer.echo(f"added scene {name!r} -> {entry['source']}{kind}; run it with `splatflow run {name}`")
+    if path.is_dir() and "colmap" not in entry:
+        _warn_if_too_few_images(path)
+
+
+def _warn_if_too_few_images(folder: Path) -> None:
+    """Say at once, not after `splatflow run` has started, that a folder cannot make a reconstruction (the scene is
+    still added: photos may be copied in later; ingest then checks every file)."""
+    from splatflow.scene.ingest import IMAGE_FILE_SUFFIXES, MIN_USABLE_IMAGES, TYPICAL_CAPTURE
+
+    files = [p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_FILE_SUFFIXES
+             and not any(part.startswith(".") for part in p.relative_to(folder).parts)]
+    if len(files) < MIN_USABLE_IMAGES:
+        typer.secho(f"warning: {folder} holds {len(files)} image file{'s' * (len(files) != 1)}; structure from "
+                    f"motion needs at least {MIN_USABLE_IMAGES} overlapping views, so `splatflow run` would stop at "
+                    f"ingest. Add photos first: {TYPICAL_CAPTURE}.", fg=typer.colors.YELLOW, err=True)
 
 
 @app.command("run", rich_help_panel=PIPELINE)

@@ -168,3 +168,18 @@ def test_runs_list_takes_the_usual_count_option(project, monkeypatch):
     for flag in ("-n", "--limit", "--n"):
         r = CliRunner().invoke(app, ["runs", "list", flag, "5"])
         assert r.exit_code == 0, (flag, r.output)
+
+
+def test_add_scene_warns_at_once_about_a_folder_too_small_for_sfm(project):
+    """A folder of two photos was added without a word; `splatflow run` then stopped at ingest."""
+    two = project / "two"
+    two.mkdir()
+    for name in ("a.jpg", "b.JPG", "notes.txt"):
+        (two / name).write_bytes(b"x")
+    r = CliRunner().invoke(app, ["add-scene", "two", str(two)])
+    assert r.exit_code == 0 and "added scene 'two'" in r.output, r.output
+    assert "holds 2 image files" in r.output and "at least 3" in r.output, r.output
+    for name in ("c.jpg", "d.png"):
+        (two / name).write_bytes(b"x")
+    r = CliRunner().invoke(app, ["add-scene", "four", str(two)])
+    assert r.exit_code == 0 and "warning" not in r.output, r.output

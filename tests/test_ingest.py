@@ -445,3 +445,16 @@ def test_stage_says_everything_it_left_out_one_line_per_reason(capture, tmp_path
     assert any("extras/" in ln for ln in lines)
     assert any(ln.startswith("ingest [s]: skipped 1 hidden file: .DS_Store") for ln in lines)
     assert any("details per file" in ln and "ingest.json" in ln for ln in lines)
+
+
+def test_too_small_a_capture_with_nothing_rejected_says_to_add_photos(tmp_path):
+    """Two good photos read `only 2 usable images of 2; ... Rejected 0. Fix: add more images to the source.`"""
+    src = tmp_path / "src"
+    src.mkdir()
+    _save_jpg(src / "a.jpg", _crop(0))
+    _save_jpg(src / "b.jpg", _crop(64))
+    with pytest.raises(UserError) as e:
+        ingest(src, tmp_path / "out" / "images", CFG, progress=False)
+    msg = str(e.value)
+    assert "only 2 images and none was rejected" in msg and "at least 3 overlapping views" in msg, msg
+    assert "Rejected 0" not in msg and "20 to 200 photos" in msg

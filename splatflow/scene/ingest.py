@@ -64,6 +64,9 @@ FOLDER_SEP = "__"
 #: File suffixes that count as a source's own images when ``auto`` decides whether to read its sub-folders.
 IMAGE_FILE_SUFFIXES = {".jpg", ".jpeg", ".png", ".tif", ".tiff", ".bmp", ".webp", ".heic", ".heif"}
 MIN_USABLE_IMAGES = 3  # fewer cannot make a two-view model plus one image to register against it
+#: What a capture that reconstructs well usually looks like, for the messages about captures that are too small.
+TYPICAL_CAPTURE = ("20 to 200 photos taken a step apart while walking around the subject, each overlapping its "
+                   "neighbours by more than half, work best")
 #: Std of the 128-px grey thumbnail (0-255) below which an image is featureless. Measured: uniform black, grey or
 #: white 800x600 frames with sensor noise of std 4 and JPEG q90 give 0.34-0.44; the views of the synthetic room and
 #: of fountain-P11/entry-P10 give 19.8 or more, and scikit-image's photos darkened to 15 % of their brightness 4.3
@@ -583,6 +586,12 @@ def _too_few_message(result: IngestResult) -> str:
         return (f"{result.source}: no image files here, only sub-folders ({', '.join(folders[:5])}); ingest reads "
                 f"sub-folders only with sfm.camera_mode: per_folder or auto (one camera per sub-folder): set that, "
                 f"or point base.scenes.<scene>.source at the folder that holds the images.")
+    if not result.rejected:  # nothing to blame but the size of the capture
+        more_frames = (f" (a video: raise ingest.video_frames, now {len(result.kept)} frames were kept)"
+                       if result.source_kind == "video" else "")
+        return (f"{result.source}: only {len(result.kept)} {what} and none was rejected; structure from motion "
+                f"needs at least {MIN_USABLE_IMAGES} overlapping views. Fix: add more {what} of the scene{more_frames}"
+                f"; {TYPICAL_CAPTURE}.")
     return (
         f"{result.source}: only {len(result.kept)} usable {what} of {result.images_in}; structure from motion "
         f"needs at least {MIN_USABLE_IMAGES}. Rejected {len(result.rejected)}"
