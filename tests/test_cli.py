@@ -65,7 +65,7 @@ def test_add_scene_video_and_bad_inputs(project):
 
 def test_run_targets_follow_dvc_yaml_order():
     names = stage_order(REPO, "demo")  # what `splatflow run demo` passes to dvc repro
-    assert names[:3] == ["ingest@demo", "sfm@demo", "split@demo"]
+    assert names[:4] == ["settings@demo", "ingest@demo", "sfm@demo", "split@demo"]
     assert names[-2:] == ["export@demo", "report@demo"]
 
 

@@ -222,8 +222,8 @@ def test_stage_declares_exactly_the_params_it_reads(stage):
     deps = _dep_paths(entry)
 
     def declared_covers(section: str) -> bool:
-        if section == "base.scenes":  # the scene's own entry, or (ingest) its source path as a file dep
-            return "base.scenes.<scene>" in declared or "${item.source}" in deps
+        if section == "base.scenes":  # the scene's own entry, or this stage's share of it (stage settings)
+            return "base.scenes.<scene>" in declared or f"data/${{key}}/settings/{stage}.json" in deps
         return any(section == d or section.startswith(d + ".") for d in declared)
 
     missing = sorted(s for s in reads if not declared_covers(s))
@@ -241,3 +241,20 @@ def test_the_analysis_sees_lazy_imports_and_transitive_modules():
     assert "splatflow/scene/dataset.py" in files
     assert not files & PLUMBING
     assert params_read(REPO / "stages" / "prune.py") >= {"prune", "train", "base.seed"}
+
+
+def test_each_stage_gets_its_share_of_the_scene_entry():
+    """A stage depends on data/<scene>/settings/<stage>.json, which holds the scene's overrides of exactly the
+    sections it declares (splatflow.scene_settings.STAGE_PARAMS), and not on the whole base.scenes.<scene>: a
+    scene's own export settings must not rerun its SfM and training."""
+    from splatflow.scene_settings import STAGE_PARAMS
+
+    stages = _stages()
+    writes = [o if isinstance(o, str) else next(iter(o)) for o in stages["settings"]["do"]["outs"]]
+    assert writes == [f"data/${{key}}/settings/{s}.json" for s in STAGE_PARAMS]
+    assert "base.scenes.${key}" in _param_keys(stages["settings"])
+    for stage, sections in STAGE_PARAMS.items():
+        entry = stages[stage]
+        assert f"data/${{key}}/settings/{stage}.json" in _dep_paths(entry), stage
+        declared = [k for k in _param_keys(entry) if not k.startswith("base.")]
+        assert sorted(declared) == sorted(sections), (stage, declared, sections)

@@ -15,7 +15,7 @@ def _ran(output: str) -> list[str]:
 def test_repro_twice_then_split_param_reruns_only_split(tmp_path):
     root = make_project(tmp_path / "proj")
     first = dvc(root, "repro", "split@tiny")
-    assert _ran(first.stdout) == ["ingest@tiny", "sfm@tiny", "split@tiny"]
+    assert _ran(first.stdout) == ["settings@tiny", "ingest@tiny", "sfm@tiny", "split@tiny"]
 
     ingest = json.loads((root / "metrics/tiny/ingest.json").read_text())
     sfm = json.loads((root / "metrics/tiny/sfm.json").read_text())

@@ -60,8 +60,8 @@ def flow_run(project):
 def test_scene_flow_runs_every_stage_and_logs_to_mlflow(project, flow_run, monkeypatch, tmp_path):
     assert flow_run["state"].is_completed(), flow_run["result"]
     stages = dvcrun.stage_order(project, "tiny")
-    assert [s.partition("@")[0] for s in stages] == ["ingest", "sfm", "split", "train", "prune", "evaluate", "export",
-                                                     "report"]
+    assert [s.partition("@")[0] for s in stages] == ["settings", "ingest", "sfm", "split", "train", "prune", "evaluate",
+                                                     "export", "report"]
     tasks = {t.name: t for t in flow_run["tasks"]}
     assert set(tasks) == set(stages), "one Prefect task per DVC stage, named after it"
     assert all(t.state.is_completed() for t in tasks.values())

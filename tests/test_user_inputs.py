@@ -62,7 +62,7 @@ def _repro_to_export(root: Path, name: str) -> tuple[dict, float]:
     out = dvc(root, "repro", f"evaluate@{name}", f"export@{name}").stdout  # all but the report (web build)
     seconds = time.perf_counter() - t0
     ran = re.findall(r"Running stage '([^']+)'", out)
-    assert sorted(ran) == sorted(f"{s}@{name}" for s in STAGES), out
+    assert sorted(ran) == sorted(f"{s}@{name}" for s in ("settings", *STAGES)), out
     m = {s: json.loads((root / f"metrics/{name}/{s}.json").read_text()) for s in STAGES}
     ply = m["export"]["files"]["ply"]
     from plyfile import PlyData
@@ -167,7 +167,8 @@ def test_rig_in_sub_folders(tmp_path):
     # Through the split only: from there on the views are flat-named images like any other scene's (the
     # mixed-camera test above trains, evaluates and exports such a scene), so the rest would repeat its minute.
     out = dvc(root, "repro", "split@rig").stdout
-    assert sorted(re.findall(r"Running stage '([^']+)'", out)) == ["ingest@rig", "sfm@rig", "split@rig"], out
+    assert sorted(re.findall(r"Running stage '([^']+)'", out)) == ["ingest@rig", "settings@rig", "sfm@rig",
+                                                                               "split@rig"], out
     m = {s: json.loads((root / f"metrics/rig/{s}.json").read_text()) for s in ("ingest", "sfm")}
     assert sorted(m["ingest"]["image_folders"]) == sorted(truth) and m["ingest"]["ignored"] == []
     assert m["sfm"]["images_registered"] == 16

@@ -162,39 +162,39 @@ def _cli_cmd(*args: str) -> list[str]:
 
 def test_a_dvc_repro_by_hand_beside_splatflow_run_is_told_who_holds_the_workspace(two_scenes):
     """DVC lets a second ``dvc repro`` run any stage whose files the first has not locked (here: the other scene's
-    ingest), and both would rewrite dvc.lock. The stage shell stops it before any work, naming ``splatflow run`` and
+    first stage, settings), and both would rewrite dvc.lock. The stage shell stops it before any work, naming ``splatflow run`` and
     its pid; a stage the first run has locked gets DVC's own message, which names the dvc below ``splatflow run``."""
     run = Background(_cli_cmd("run", "tiny"), two_scenes, _env(two_scenes, SPLATFLOW_STAGE_HOLD_S="300"))
     try:
-        run.wait_for("holding")  # `splatflow run tiny` is inside ingest@tiny
-        other = _hand_dvc(two_scenes, "repro", "--single-item", "ingest@tiny2")
+        run.wait_for("holding")  # `splatflow run tiny` is inside its first stage, settings@tiny
+        other = _hand_dvc(two_scenes, "repro", "--single-item", "settings@tiny2")
         out = " ".join((other.stdout + other.stderr).split())
         assert other.returncode != 0, out
-        assert "ingest [tiny2] not started" in out and "is busy" in out, out
+        assert "settings [tiny2] not started" in out and "is busy" in out, out
         assert f"pid {run.proc.pid} (`splatflow run tiny`" in out, out
         assert "Wait for it to finish" in out and "--worktree" in out, out
         assert "exited with 3" in out, out  # DVC reports the stage shell's status: nothing done, nothing recorded
-        assert not (two_scenes / "data" / "tiny2" / "images").exists()  # it wrote nothing
+        assert not (two_scenes / "data" / "tiny2" / "settings").exists()  # it wrote nothing
 
-        same = _hand_dvc(two_scenes, "repro", "--single-item", "ingest@tiny")
+        same = _hand_dvc(two_scenes, "repro", "--single-item", "settings@tiny")
         out = " ".join((same.stdout + same.stderr).split())
         dvc_pid = psutil.Process(run.proc.pid).children()[0].pid
         assert same.returncode != 0 and "is busy" in out, out
-        assert f"(PID {dvc_pid})" in out and "repro ingest@tiny" in out, out
+        assert f"(PID {dvc_pid})" in out and "repro settings@tiny" in out, out
     finally:
         run.kill()
 
 
 def test_a_younger_dvc_repro_is_stopped_beside_an_older_one(two_scenes):
     """Two ``dvc repro`` by hand, neither through splatflow: the stage of the younger one stops, naming the older."""
-    older = Background([str(BIN / "dvc"), "repro", "--single-item", "ingest@tiny"], two_scenes,
+    older = Background([str(BIN / "dvc"), "repro", "--single-item", "settings@tiny"], two_scenes,
                        _env(two_scenes, SPLATFLOW_STAGE_HOLD_S="300"))
     try:
         older.wait_for("holding")
-        younger = _hand_dvc(two_scenes, "repro", "--single-item", "ingest@tiny2")
+        younger = _hand_dvc(two_scenes, "repro", "--single-item", "settings@tiny2")
         out = " ".join((younger.stdout + younger.stderr).split())
         assert younger.returncode != 0 and "not started" in out, out
-        assert f"pid {older.proc.pid} (`dvc repro --single-item ingest@tiny`" in out, out
+        assert f"pid {older.proc.pid} (`dvc repro --single-item settings@tiny`" in out, out
     finally:
         older.kill()
 
