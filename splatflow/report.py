@@ -68,7 +68,19 @@ def read_splat_file(path: str | Path) -> tuple[dict[str, np.ndarray], int]:
         raise
     except Exception as e:  # noqa: BLE001 - a corrupt file: say which and why
         raise UserError(f"{path}: cannot read it as a {suffix} splat file: {e}") from e
-    return common.as_numpy_splats(splats, degree), int(degree)
+    out = common.as_numpy_splats(splats, degree)
+    return out, used_sh_degree(out["shN"], int(degree))
+
+
+def used_sh_degree(shN: np.ndarray, degree: int) -> int:
+    """The highest SH degree up to ``degree`` with a non-zero coefficient in ``shN`` [N, K-1, 3].
+
+    An Inria PLY always has the 45 ``f_rest`` columns of degree 3, and the export writes a model trained to a lower
+    active degree (a short run: one band per ``train.sh_degree_interval`` steps) with the bands above it zeroed; the
+    report and the viewer said "SH degree 3" for such a model (its .spz and its checkpoint said 0)."""
+    while degree > 0 and not np.any(shN[:, degree ** 2 - 1:(degree + 1) ** 2 - 1]):
+        degree -= 1
+    return degree
 
 
 def exported_file(paths: ScenePaths) -> Path:

@@ -74,3 +74,21 @@ def test_missing_checkpoint_is_a_user_error(tmp_path):
 
     with pytest.raises(UserError, match="ckpt.pt"):
         export_stage.run(params_from_dict({}), ScenePaths("demo", tmp_path))
+
+
+def test_exported_files_read_back_with_the_degree_the_model_was_trained_to(tmp_path):
+    """A model trained 200 steps (active SH degree 0 of 3) exported as a PLY with the 45 f_rest columns zeroed above
+    degree 0: the report and `splatflow view` called it "SH degree 3" while its .spz said 0."""
+    from splatflow.report import read_splat_file
+
+    g = torch.Generator().manual_seed(0)
+    n = 50
+    splats = {"means": torch.randn(n, 3, generator=g), "quats": torch.randn(n, 4, generator=g),
+              "scales": torch.randn(n, 3, generator=g) - 2, "opacities": torch.randn(n, generator=g),
+              "sh0": torch.randn(n, 1, 3, generator=g), "shN": torch.randn(n, 15, 3, generator=g) * 0.1}
+    for active in (0, 1, 3):
+        out = tmp_path / f"d{active}"
+        export_model(splats, active, out)
+        for name in ("scene.ply", "scene.spz", "scene.splat"):
+            _, degree = read_splat_file(out / name)
+            assert degree == (0 if name == "scene.splat" else active), (name, active, degree)
