@@ -282,6 +282,12 @@ def status(root: str | Path, stages: list[str], env: dict[str, str] | None = Non
     return json.loads(text[text.index("{"):]) if "{" in text else {}
 
 
+def _inside_any(path: str, outs: set[str]) -> bool:
+    """``path`` is one of ``outs`` or lies inside one (a stage may depend on part of an upstream output folder:
+    split reads ``data/S/undistorted/sparse`` of sfm's ``data/S/undistorted``)."""
+    return any(path == o or path.startswith(o.rstrip("/") + "/") for o in outs)
+
+
 def only_outputs_missing(root: str | Path, stages: list[str], env: dict[str, str] | None = None) -> tuple[bool, str]:
     """Whether the stages recorded in ``root``'s dvc.lock would give the same results now, in a workspace that
     merely lacks their outputs (a fresh worktree with an earlier run's dvc.lock put in place).
@@ -304,6 +310,6 @@ def only_outputs_missing(root: str | Path, stages: list[str], env: dict[str, str
                 return False, f"{stage}: {change}"
             for kind, files in change.items():
                 for path, what in (files or {}).items():
-                    if what != "deleted" or path not in outs:
+                    if what != "deleted" or not _inside_any(path, outs):
                         return False, f"{stage}: {kind} {path} {what}"
     return True, "every stage up to date with the earlier run's dvc.lock (only its outputs are absent here)"
