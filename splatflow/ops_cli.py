@@ -71,8 +71,8 @@ def _require_deployment(name: str) -> None:
     url = os.environ.get("PREFECT_API_URL")
     if not url:  # a temporary server was going to be started: it holds no deployments
         raise UserError(f"a batch runs its scenes through the {name!r} deployment's workers, but no Prefect server "
-                        f"answers on 127.0.0.1:{PREFECT_PORT} (and PREFECT_API_URL is not set): start `splatflow ui`, then "
-                        + _NO_DEPLOYMENT_FIX)
+                        f"answers on 127.0.0.1:{PREFECT_PORT} (and PREFECT_API_URL is not set): start "
+                        "`splatflow ui`, then " + _NO_DEPLOYMENT_FIX)
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
 

@@ -162,8 +162,9 @@ def _cli_cmd(*args: str) -> list[str]:
 
 def test_a_dvc_repro_by_hand_beside_splatflow_run_is_told_who_holds_the_workspace(two_scenes):
     """DVC lets a second ``dvc repro`` run any stage whose files the first has not locked (here: the other scene's
-    first stage, settings), and both would rewrite dvc.lock. The stage shell stops it before any work, naming ``splatflow run`` and
-    its pid; a stage the first run has locked gets DVC's own message, which names the dvc below ``splatflow run``."""
+    first stage, settings), and both would rewrite dvc.lock. The stage shell stops it before any work, naming
+    ``splatflow run`` and its pid; a stage the first run has locked gets DVC's own message, which names the dvc below
+    ``splatflow run``."""
     run = Background(_cli_cmd("run", "tiny"), two_scenes, _env(two_scenes, SPLATFLOW_STAGE_HOLD_S="300"))
     try:
         run.wait_for("holding")  # `splatflow run tiny` is inside its first stage, settings@tiny
