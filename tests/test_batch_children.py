@@ -49,12 +49,14 @@ def test_a_failed_stage_says_its_own_exit_status_and_one_line_why(tmp_path):
     so its `bad input or setting` hint never showed. The real ingest stage of a two-image scene, through DVC:"""
     root = make_project(tmp_path / "proj", scene="two",
                         scene_options=dict(n_views=2, width=160, height=120, arc_deg=8.0, seed=0))
+    env = dvcrun.stage_env({"SPLATFLOW_TRACKING": "off"})
+    dvcrun.run_dvc_stage(root, "settings@two", env=env)  # as the flows do: one stage after the other
     with pytest.raises(dvcrun.StageFailed) as e:
-        dvcrun.run_dvc_stage(root, "ingest@two", env=dvcrun.stage_env({"SPLATFLOW_TRACKING": "off"}))
+        dvcrun.run_dvc_stage(root, "ingest@two", env=env)
     text = str(e.value)
     assert text.startswith("stage ingest@two failed with exit code 2 (dvc: 255) (bad input or setting"), text[:300]
     reason = dvcrun.failure_reason(text)
-    assert reason.startswith("splatflow ingest [two] failed: ") and "only 2 usable images of 2" in reason, reason
+    assert reason.startswith("splatflow ingest [two] failed: ") and "only 2 images and none was rejected" in reason, reason
     assert "\n" not in reason
     # a Prefect state's message wraps the same text; a failure with no stage message gives its first line
     assert dvcrun.failure_reason(f"Flow run encountered an exception: StageFailed: {text}") == reason

@@ -473,7 +473,8 @@ def test_dvc_pipeline_imports_a_colmap_dataset_and_reruns_when_its_model_changes
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
 
     first = dvc(root, "repro", "split@garden")
-    assert re.findall(r"Running stage '([^']+)'", first.stdout) == ["ingest@garden", "sfm@garden", "split@garden"]
+    assert re.findall(r"Running stage '([^']+)'", first.stdout) == ["settings@garden", "ingest@garden", "sfm@garden",
+                                                                                  "split@garden"]
     sfm = json.loads((root / "metrics/garden/sfm.json").read_text())
     ingest = json.loads((root / "metrics/garden/ingest.json").read_text())
     assert sfm["source"] == "imported" and sfm["images_registered"] == 10
