@@ -71,16 +71,19 @@ def run(params: Params, paths: ScenePaths) -> dict:
 
 
 def _masks(params: Params, paths: ScenePaths, result) -> dict:
-    """Check and copy ``base.scenes.S.masks`` to ``data/S/masks`` (a DVC out, so it exists, empty, without)."""
+    """Check and copy ``base.scenes.S.masks`` to ``data/S/masks`` (a DVC out, so it exists without masks too,
+    holding only a note)."""
     import shutil
 
+    from splatflow.scene.notes import write_empty_note
     from splatflow.scene.masks import ingest_masks
 
     masks = params.scene(paths.scene).masks
     if masks is None:
         if paths.masks_dir.exists():
             shutil.rmtree(paths.masks_dir)
-        paths.masks_dir.mkdir(parents=True)
+        write_empty_note(paths.masks_dir, f"scene {paths.scene} has no masks (base.scenes.{paths.scene}.masks is "
+                                          "not set): every pixel counts")
         return {"masks": 0}
     if result.source_kind != "folder":
         raise UserError(f"base.scenes.{paths.scene}.masks: masks need a folder of images as the source (frames of a "

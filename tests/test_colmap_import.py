@@ -91,12 +91,12 @@ def test_import_uses_the_given_cameras_and_runs_no_sfm(raw_scene, tmp_path, no_s
     # pinhole: images copied byte for byte (the pixels published metrics are computed on)
     for p in sorted((dataset / "images").iterdir()):
         assert (paths.undistorted_dir / "images" / p.name).read_bytes() == p.read_bytes()
-    # images_2 copied under ingest's names, images_4/8 absent (empty folders: DVC outputs)
+    # images_2 copied under ingest's names, images_4/8 absent (folders with only a note: DVC outputs)
     assert m_ingest["levels"]["images_2"] == {"copied": 10}
     assert m_ingest["levels"]["images_4"] == {"absent": True}
     assert sorted(p.name for p in (paths.data_dir / "images_2").iterdir()) == sorted(
         p.name for p in paths.images_dir.iterdir())
-    assert not any((paths.data_dir / "images_4").iterdir())
+    assert [p.name for p in (paths.data_dir / "images_4").iterdir()] == ["README.txt"]
     with_level = cv2.imread(str(paths.data_dir / "images_2" / "0003.jpg"))
     assert with_level.shape[:2] == (H // 2, W // 2)
     json.dumps(m)
@@ -198,7 +198,9 @@ def test_a_level_that_does_not_match_is_skipped_not_half_copied(raw_scene, tmp_p
     levels = m_ingest["levels"]
     assert "0005.jpg" in levels["images_2"]["skipped"] and "not 1/2" in levels["images_2"]["skipped"]
     assert "0003.jpg" in levels["images_4"]["skipped"] and "missing" in levels["images_4"]["skipped"]
-    assert not any((paths.data_dir / "images_2").iterdir()) and not any((paths.data_dir / "images_4").iterdir())
+    for n, why in ((2, "not 1/2"), (4, "missing")):  # nothing half copied: only the note, saying why
+        level = paths.data_dir / f"images_{n}"
+        assert [p.name for p in level.iterdir()] == ["README.txt"] and why in (level / "README.txt").read_text()
 
 
 def test_bad_dataset_paths_and_unsupported_cameras(raw_scene, tmp_path, no_sfm):

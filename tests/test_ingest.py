@@ -394,8 +394,11 @@ def test_stage_run_writes_images_and_returns_metrics(capture, tmp_path):
     assert m["images_kept"] == 10 and {r["file"]: r["reason"] for r in m["rejected"]} == EXPECTED_REJECTIONS
     names = sorted(p.name for p in paths.images_dir.iterdir())
     assert names[0] == "00.png" and len(names) == 10
-    # not a COLMAP dataset: the level folders exist (DVC outputs) and are empty
-    assert all(sorted((paths.data_dir / f"images_{n}").iterdir()) == [] for n in (2, 4, 8))
+    # not a COLMAP dataset: the level folders exist (DVC outputs) and hold only a note saying why
+    for n in (2, 4, 8):
+        level = paths.data_dir / f"images_{n}"
+        assert [p.name for p in level.iterdir()] == ["README.txt"]
+        assert f"no images_{n} level" in (level / "README.txt").read_text()
     assert "levels" not in m
     assert np.array_equal(_decode(paths.images_dir / "01.png"), _decode(capture / "01.jpg"))  # lossless
 

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from splatflow.config import IngestConfig, SfmConfig
 from splatflow.errors import UserError
+from splatflow.scene.notes import write_empty_note
 
 __all__ = ["LEVELS", "find_model", "is_colmap_dataset", "level_dir", "output_name_map", "copy_levels",
            "empty_levels", "import_model", "check_model_files"]
@@ -203,7 +204,8 @@ def check_model_files(model_path: Path) -> None:
 
 
 def level_dir(data_dir: Path, n: int) -> Path:
-    """``data/S/images_N``: the dataset's own 1/N-size images under ingest's names (empty when it has none)."""
+    """``data/S/images_N``: the dataset's own 1/N-size images under ingest's names (when it has none, only the
+    note of :func:`splatflow.paths.write_empty_note`)."""
     return data_dir / f"images_{n}"
 
 
@@ -219,12 +221,13 @@ def output_name_map(source_images: Path, image_format: str) -> dict[str, str]:
 
 
 def empty_levels(data_dir: Path) -> None:
-    """Make every ``data/S/images_N`` an empty folder (a capture without downscaled levels)."""
+    """Make every ``data/S/images_N`` a folder with only a note (a capture without downscaled levels)."""
     for n in LEVELS:
         d = level_dir(data_dir, n)
         if d.exists():
             shutil.rmtree(d)
-        d.mkdir(parents=True)
+        write_empty_note(d, f"this capture has no images_{n} level; training downscales images/ itself when it "
+                            "needs a smaller size")
 
 
 def _find_level_file(level: Path, source_name: str) -> Path | None:
@@ -242,7 +245,7 @@ def copy_levels(dataset_root: Path, kept: list[tuple[str, str, int, int]], data_
 
     ``kept``: ``(source file name, ingest output name, width, height)`` of every image ingest kept. A level is
     copied whole or not at all: when one of its files is missing, unreadable or not 1/N of its full-size image
-    (within 1 px: datasets round differently), the level folder is left empty and the reason is returned, so a
+    (within 1 px: datasets round differently), the level folder holds only a note and the reason is returned, so a
     consumer falls back to downscaling ``images/`` itself. Files keep their bytes when ingest copied the
     full-size image's bytes (clean RGB JPEG) and are converted the same way otherwise.
     Returns ``{"images_N": {"copied": k} | {"absent": True} | {"skipped": reason}}``.
@@ -295,7 +298,8 @@ def copy_levels(dataset_root: Path, kept: list[tuple[str, str, int, int]], data_
                 staging.rename(dst)
             else:
                 shutil.rmtree(staging)
-                dst.mkdir(parents=True, exist_ok=True)
+                why = out.get(name, {}).get("skipped") or f"the dataset has no {name} folder"
+                write_empty_note(dst, f"{why}; training downscales images/ itself when it needs a smaller size")
     ignored = sorted(p.name for p in dataset_root.glob("images_*") if p.is_dir() and p.name not in out)
     if ignored:
         out["ignored"] = ignored  # e.g. images_16: not a level training or the benchmark protocols use

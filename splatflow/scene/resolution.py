@@ -32,6 +32,7 @@ import numpy as np
 
 from splatflow.config import ResolutionConfig
 from splatflow.errors import UserError
+from splatflow.scene.notes import folder_files
 
 __all__ = ["target_size", "apply_resolution", "read_view_rgb", "LEVELS"]
 
@@ -101,7 +102,7 @@ def _usable_level(views, data_dir: Path, n: int, sparse_dir: Path | None,
                   undistorted_model: Path | None) -> tuple[dict | None, str]:
     """``({name: (path, (w, h))}, why)`` when ``data_dir/images_N`` serves every view, else ``(None, why not)``."""
     level = Path(data_dir) / f"images_{n}"
-    if not level.is_dir() or not any(level.iterdir()):  # ingest leaves the folder empty for datasets without it
+    if not folder_files(level):  # for a dataset without it ingest leaves the folder with only a note
         return None, f"no {level.name}/ level in this dataset"
     if undistorted_model is not None:
         ok, why = _needed_no_undistortion(sparse_dir, undistorted_model)
