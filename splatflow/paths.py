@@ -64,9 +64,6 @@ class ScenePaths:
     def settings_dir(self) -> Path:  # <stage>.json: each stage's share of the scene's entry (stage `settings`)
         return self.data_dir / "settings"
 
-    def settings_json(self, stage: str) -> Path:
-        return self.settings_dir / f"{stage}.json"
-
     @property
     def images_dir(self) -> Path:
         return self.data_dir / "images"

@@ -191,15 +191,15 @@ def resolution_phases(df) -> list[tuple[int, int, str]]:
         return []
     res = df["resolution"].astype(str).tolist()
     key = df["phase"].tolist() if "phase" in df.columns else res
+
+    def pixels(r: str) -> int:
+        w, _, h = r.partition("x")
+        return int(w) * int(h) if w.isdigit() and h.isdigit() else 0
+
     spans, start = [], 0
     for i in range(1, len(key) + 1):
         if i == len(key) or key[i] != key[start]:
             sizes = list(dict.fromkeys(res[start:i]))
-
-            def pixels(r: str) -> int:
-                w, _, h = r.partition("x")
-                return int(w) * int(h) if w.isdigit() and h.isdigit() else 0
-
             spans.append((int(df["step"].iloc[start]), int(df["step"].iloc[i - 1]),
                           "\n".join(sorted(sizes, key=pixels))))
             start = i
