@@ -397,3 +397,33 @@ def test_ssim_kernel_results_do_not_depend_on_how_rows_are_cut():
         assert len({len(row_segments(3, H, t)[0]) for t in (1, 2, 3, 4, 7)}) > 1  # the cuts did differ
         for r in results[1:]:
             assert all(np.array_equal(a, b) for a, b in zip(results[0], r))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_column_stencils_match_numpy_for_every_tap_count(dtype):
+    """The column stencils (:func:`_vconv4`: four rows, :func:`_vconv`: one), built as LLVM IR with ``noalias``
+    pointers for the literal tap counts of :func:`_unrolled` and a numba loop for any other count, give the
+    banded sums down a block of ring rows, read through a slice of the ring as the kernels do, for rows of a
+    vector's length and of odd widths."""
+    import numba as nb
+
+    from splatflow.render import _filter_kernels as K
+
+    @nb.njit(fastmath=True)
+    def both(ring, b, out4, out1, w):
+        L = w.shape[0]
+        K._unrolled(K._vconv4, ring[b:b + L + 3], 0, out4, w, out4.shape[1], L)
+        K._unrolled(K._vconv, ring[b:b + L], 0, out1, w, out1.shape[0], L)
+
+    rng = np.random.default_rng(11)
+    for L in (3, 5, 7, 9, 11, 13, 15, 17, 19, 4):  # 19 and 4: counts without a literal specialisation
+        for W in (1, 16, 37, 490):
+            ring = rng.random((2 * (L + 3) + 2, W)).astype(dtype)
+            w = rng.random(L).astype(dtype)
+            out4, out1 = np.full((4, W), np.nan, dtype), np.full(W, np.nan, dtype)
+            b = 2
+            both(ring, b, out4, out1, w)
+            want = np.stack([w @ ring[b + q:b + q + L].astype(np.float64) for q in range(4)])
+            tol = 1e-5 if dtype == np.float32 else 1e-12
+            np.testing.assert_allclose(out4, want, rtol=tol, atol=tol)
+            np.testing.assert_allclose(out1, want[0], rtol=tol, atol=tol)

@@ -32,6 +32,9 @@ from __future__ import annotations
 
 import numba as nb
 import numpy as np
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic, overload
 
 ZERO, REFLECT, REFLECT_T = 0, 1, 2  # padding modes of the row filter (REFLECT_T: transpose of REFLECT)
 BATCH_ROWS = 4  # output rows per batch of the column stencils (see :func:`_col_stencil4`, :func:`ssim_fused`)
@@ -103,66 +106,139 @@ def build_band(n, taps, reflect, transpose):
 # Both are called with a literal tap count ``L`` through :func:`_unrolled`, so LLVM unrolls the tap loop and
 # vectorises the loop over the row (5x faster than a loop over a run-time length). Indices are plain ``range``
 # counters: an index with a possibly negative offset makes numba test for wrap-around on every access, which stops
-# vectorisation (13x slower).
+# vectorisation (13x slower). The column stencil (down the ring's rows) is a few lines of LLVM IR built here
+# (:func:`_col_sum_ir`) rather than a numba loop, for one reason: numba cannot declare that its output rows do not
+# overlap the rows it reads, and LLVM's run-time checks of that cost more per call than a short row's sums.
 
-@nb.njit(cache=True, fastmath=True)
-def _hconv(inp, out, w, m, L):
-    """Along a row: ``out[j] = sum_k w[k] inp[j + k]`` for ``j < m``."""
-    for j in range(m):
-        acc = w[0] * inp[j]
+def _col_sum(blk, out, w, m, L):
+    """``out[b, j] = sum_{k < L} w[k] blk[k + b, j]`` for ``j < m`` and the ``n`` rows ``b`` of ``out [n, W]``
+    (``n`` 4; or one row, ``out [W]``), ``blk`` holding ``L + n - 1`` rows. Each block row is loaded once for
+    the ``n`` sums (``L + 3`` loads per column instead of ``4 L`` for four rows: 1.5-1.7x faster than four
+    one-row stencils). ``out`` must not overlap ``blk`` (see :func:`_col_sum_noalias`). Compiled through
+    :func:`_col_sum_ov`."""
+    raise NotImplementedError("only callable from numba-compiled code")
+
+
+def _col_sum_ir(module, L, n, fty):
+    """The LLVM function behind :func:`_col_sum_noalias`: ``L`` taps, ``n`` output rows of ``fty``, arguments
+    ``(blk*, blk row stride, out row 0*, ..., out row n-1*, w*, m)``, every pointer ``noalias``: ``out q [j] =
+    sum_k w[k] blk[(k + q) * stride + j]``, one loop over the columns ``j < m`` with the taps unrolled, which
+    LLVM vectorises with no alias checks."""
+    name = f"splatflow_col_sum_{L}x{n}_{'f32' if isinstance(fty, ir.FloatType) else 'f64'}"
+    fn = module.globals.get(name)
+    if fn is not None:
+        return fn
+    p = ir.PointerType(fty)
+    i64 = ir.IntType(64)
+    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [p, i64] + [p] * n + [p, i64]), name)
+    fn.linkage = "internal"
+    blk, stride, *outs, w, m = fn.args
+    for arg in [blk, w] + outs:
+        arg.add_attribute("noalias")
+    entry, loop, done = fn.append_basic_block("entry"), fn.append_basic_block("loop"), fn.append_basic_block("done")
+    b = ir.IRBuilder(entry)
+    taps = [b.load(b.gep(w, [ir.Constant(i64, k)], inbounds=True)) for k in range(L)]
+    rows = [b.gep(blk, [b.mul(stride, ir.Constant(i64, k))], inbounds=True) for k in range(L + n - 1)]
+    b.cbranch(b.icmp_signed(">", m, ir.Constant(i64, 0)), loop, done)
+    b = ir.IRBuilder(loop)
+    j = b.phi(i64)
+    j.add_incoming(ir.Constant(i64, 0), entry)
+    vals = [b.load(b.gep(row, [j], inbounds=True)) for row in rows]
+    fast = ("fast",)  # as the numba kernels' fastmath: LLVM may contract to FMAs and vectorise
+    for q, out in enumerate(outs):
+        acc = b.fmul(taps[0], vals[q], flags=fast)
         for k in range(1, L):
-            acc += w[k] * inp[j + k]
-        out[j] = acc
+            acc = b.fadd(acc, b.fmul(taps[k], vals[k + q], flags=fast), flags=fast)
+        b.store(acc, b.gep(out, [j], inbounds=True))
+    nxt = b.add(j, ir.Constant(i64, 1), flags=("nsw", "nuw"))
+    j.add_incoming(nxt, loop)
+    b.cbranch(b.icmp_signed("<", nxt, m), loop, done)
+    ir.IRBuilder(done).ret_void()
+    return fn
+
+
+@intrinsic
+def _col_sum_noalias(typingctx, blk, out, w, m, L):
+    """:func:`_col_sum` for a literal ``L``, as LLVM IR whose pointers are declared ``noalias``
+    (:func:`_col_sum_ir`). The same loop in numba compiled to a vectorised loop behind a run-time check of every
+    row read against every row written (at 11 taps and four rows, about 230 pointer comparisons: numba cannot say
+    that two arrays do not overlap, and the rows' stride is a run-time value). That check cost about 190 ns a
+    call, whatever the row's width: 448 against 222 ns a call at W = 490, 230 against 43 ns at W = 16; and the
+    SSIM kernel makes nine such calls per four rows. The arrays must be C-contiguous (:func:`_col_sum_ov` checks)
+    and ``out`` must not overlap ``blk``: every caller writes into buffers of its own, apart from the ring it
+    reads."""
+    if not isinstance(L, types.IntegerLiteral):
+        return None
+    n = 4 if out.ndim == 2 else 1
+    sig = types.void(blk, out, w, m, L)
+
+    def codegen(context, builder, sig, args):
+        ba = context.make_array(sig.args[0])(context, builder, args[0])
+        oa = context.make_array(sig.args[1])(context, builder, args[1])
+        wa = context.make_array(sig.args[2])(context, builder, args[2])
+        fty = context.get_data_type(sig.args[0].dtype)
+        size = context.get_constant(types.intp, context.get_abi_sizeof(fty))
+        stride = builder.sdiv(cgutils.unpack_tuple(builder, ba.strides)[0], size)
+        outs = [oa.data]
+        if n > 1:
+            ostride = builder.sdiv(cgutils.unpack_tuple(builder, oa.strides)[0], size)
+            outs = [builder.gep(oa.data, [builder.mul(ostride, context.get_constant(types.intp, q))], inbounds=True)
+                    for q in range(n)]
+        cols = context.cast(builder, args[3], sig.args[3], types.intp)
+        builder.call(_col_sum_ir(builder.module, L.literal_value, n, fty), [ba.data, stride] + outs + [wa.data, cols])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@overload(_col_sum, jit_options={"fastmath": True}, prefer_literal=True)
+def _col_sum_ov(blk, out, w, m, L):
+    """:func:`_col_sum`: through :func:`_col_sum_noalias` when ``L`` is a literal (the stencils' common tap
+    counts, see :func:`_unrolled`) and the arrays are C-contiguous, else a numba loop."""
+    if out.ndim == 1:
+        def loop(blk, out, w, m, L):
+            for j in range(m):
+                acc = w[0] * blk[0, j]
+                for k in range(1, L):
+                    acc += w[k] * blk[k, j]
+                out[j] = acc
+    else:
+        def loop(blk, out, w, m, L):
+            for j in range(m):
+                a0 = w[0] * blk[0, j]
+                a1 = w[0] * blk[1, j]
+                a2 = w[0] * blk[2, j]
+                a3 = w[0] * blk[3, j]
+                for k in range(1, L):
+                    a0 += w[k] * blk[k, j]
+                    a1 += w[k] * blk[k + 1, j]
+                    a2 += w[k] * blk[k + 2, j]
+                    a3 += w[k] * blk[k + 3, j]
+                out[0, j] = a0
+                out[1, j] = a1
+                out[2, j] = a2
+                out[3, j] = a3
+    contiguous = blk.layout == out.layout == w.layout == "C"  # (every caller's rows are; others take the loop)
+    if not isinstance(L, types.IntegerLiteral) or not contiguous or not blk.dtype == out.dtype == w.dtype:
+        return loop
+
+    def impl(blk, out, w, m, L):
+        _col_sum_noalias(blk, out, w, m, L)
+    return impl
 
 
 @nb.njit(cache=True, fastmath=True)
 def _vconv(blk, unused, out, w, m, L):
-    """Down the rows of a block: ``out[j] = sum_k w[k] blk[k, j]`` for ``j < m``."""
-    for j in range(m):
-        acc = w[0] * blk[0, j]
-        for k in range(1, L):
-            acc += w[k] * blk[k, j]
-        out[j] = acc
-
-
-@nb.njit(cache=True, fastmath=True, inline="always")
-def _vconv4_taps(blk, out, w, m, k0, n, add):
-    """Part of :func:`_vconv4`: ``out[b, j]`` (``add``: plus) ``sum_{k0 <= k < k0 + n} w[k] blk[k + b, j]``
-    for ``b < 4``, ``j < m``."""
-    for j in range(m):
-        a0 = w[k0] * blk[k0, j]
-        a1 = w[k0] * blk[k0 + 1, j]
-        a2 = w[k0] * blk[k0 + 2, j]
-        a3 = w[k0] * blk[k0 + 3, j]
-        for k in range(k0 + 1, k0 + n):  # (n constant: unrolled, each block row loaded once for the four sums)
-            a0 += w[k] * blk[k, j]
-            a1 += w[k] * blk[k + 1, j]
-            a2 += w[k] * blk[k + 2, j]
-            a3 += w[k] * blk[k + 3, j]
-        if add:
-            a0 += out[0, j]
-            a1 += out[1, j]
-            a2 += out[2, j]
-            a3 += out[3, j]
-        out[0, j] = a0
-        out[1, j] = a1
-        out[2, j] = a2
-        out[3, j] = a3
+    """Down the rows of a block: ``out[j] = sum_k w[k] blk[k, j]`` for ``j < m`` (:func:`_col_sum`)."""
+    _col_sum(blk, out, w, m, L)
 
 
 @nb.njit(cache=True, fastmath=True)
 def _vconv4(blk, unused, out, w, m, L):
     """Four consecutive output rows of the stencil down a block of ``L + 3`` rows: ``out[b, j] = sum_k w[k]
-    blk[k + b, j]``. Each block row is loaded once for the four sums (``L + 3`` loads per column instead of
-    ``4 L``): 1.5-1.7x faster than four one-row stencils at 11 and 17 taps (rows in L1 cache). Above 11 taps
-    LLVM no longer vectorised one loop (4x slower), so longer filters go in two halves. (Pairing the symmetric
-    taps, an add and one multiply-add per pair, was measured too: no faster inside the kernels.)"""
-    if L <= 11:
-        _vconv4_taps(blk, out, w, m, 0, L, False)
-    else:
-        h = (L + 1) // 2
-        _vconv4_taps(blk, out, w, m, 0, h, False)
-        _vconv4_taps(blk, out, w, m, h, L - h, True)
+    blk[k + b, j]`` (:func:`_col_sum`). (Pairing the symmetric taps, an add and one multiply-add per pair, was
+    measured too: no faster inside the kernels.)"""
+    _col_sum(blk, out, w, m, L)
 
 
 @nb.njit(cache=True, fastmath=True, inline="always")
@@ -201,12 +277,19 @@ def _unrolled11(conv, a, b, c, d, e, L):
 
 @nb.njit(cache=True, fastmath=True)
 def _h5(inp, out, w, m, unused, L):
-    _hconv(inp, out, w, m, L)
+    """Along a row: ``out[j] = sum_k w[k] inp[j + k]`` for ``j < m``. (Unlike the column stencil's, this loop's
+    alias checks are cheap: through :func:`_col_sum_noalias`'s way it was no faster, and the transposed blur
+    slower.)"""
+    for j in range(m):
+        acc = w[0] * inp[j]
+        for k in range(1, L):
+            acc += w[k] * inp[j + k]
+        out[j] = acc
 
 
 @nb.njit(cache=True, fastmath=True)
 def _h5dup(inp, out, w, m, out2, L):
-    """:func:`_hconv` writing each result to ``out`` and ``out2`` (a ring row and its second copy)."""
+    """:func:`_h5` writing each result to ``out`` and ``out2`` (a ring row and its second copy)."""
     for j in range(m):
         acc = w[0] * inp[j]
         for k in range(1, L):
