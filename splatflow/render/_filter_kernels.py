@@ -119,8 +119,9 @@ def _col_sum(blk, out, w, m, L):
     raise NotImplementedError("only callable from numba-compiled code")
 
 
-def _col_sum_ir(module, L, n, fty):
-    """The LLVM function behind :func:`_col_sum_noalias`: ``L`` taps, ``n`` output rows of ``fty``, arguments
+def _col_sum_ir(module, L, n, fty, ptr):
+    """The LLVM function behind :func:`_col_sum_noalias`: ``L`` taps, ``n`` output rows of ``fty`` (``ptr``: the
+    pointer type numba gives an array's data), arguments
     ``(blk*, blk row stride, out row 0*, ..., out row n-1*, w*, m)``, every pointer ``noalias``: ``out q [j] =
     sum_k w[k] blk[(k + q) * stride + j]``, one loop over the columns ``j < m`` with the taps unrolled, which
     LLVM vectorises with no alias checks."""
@@ -128,28 +129,28 @@ def _col_sum_ir(module, L, n, fty):
     fn = module.globals.get(name)
     if fn is not None:
         return fn
-    p = ir.PointerType(fty)
     i64 = ir.IntType(64)
-    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [p, i64] + [p] * n + [p, i64]), name)
+    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [ptr, i64] + [ptr] * n + [ptr, i64]), name)
     fn.linkage = "internal"
     blk, stride, *outs, w, m = fn.args
     for arg in [blk, w] + outs:
         arg.add_attribute("noalias")
     entry, loop, done = fn.append_basic_block("entry"), fn.append_basic_block("loop"), fn.append_basic_block("done")
     b = ir.IRBuilder(entry)
-    taps = [b.load(b.gep(w, [ir.Constant(i64, k)], inbounds=True)) for k in range(L)]
-    rows = [b.gep(blk, [b.mul(stride, ir.Constant(i64, k))], inbounds=True) for k in range(L + n - 1)]
+    taps = [b.load(b.gep(w, [ir.Constant(i64, k)], inbounds=True, source_etype=fty), typ=fty) for k in range(L)]
+    rows = [b.gep(blk, [b.mul(stride, ir.Constant(i64, k))], inbounds=True, source_etype=fty)
+            for k in range(L + n - 1)]
     b.cbranch(b.icmp_signed(">", m, ir.Constant(i64, 0)), loop, done)
     b = ir.IRBuilder(loop)
     j = b.phi(i64)
     j.add_incoming(ir.Constant(i64, 0), entry)
-    vals = [b.load(b.gep(row, [j], inbounds=True)) for row in rows]
+    vals = [b.load(b.gep(row, [j], inbounds=True, source_etype=fty), typ=fty) for row in rows]
     fast = ("fast",)  # as the numba kernels' fastmath: LLVM may contract to FMAs and vectorise
     for q, out in enumerate(outs):
         acc = b.fmul(taps[0], vals[q], flags=fast)
         for k in range(1, L):
             acc = b.fadd(acc, b.fmul(taps[k], vals[k + q], flags=fast), flags=fast)
-        b.store(acc, b.gep(out, [j], inbounds=True))
+        b.store(acc, b.gep(out, [j], inbounds=True, source_etype=fty))
     nxt = b.add(j, ir.Constant(i64, 1), flags=("nsw", "nuw"))
     j.add_incoming(nxt, loop)
     b.cbranch(b.icmp_signed("<", nxt, m), loop, done)
@@ -182,10 +183,11 @@ def _col_sum_noalias(typingctx, blk, out, w, m, L):
         outs = [oa.data]
         if n > 1:
             ostride = builder.sdiv(cgutils.unpack_tuple(builder, oa.strides)[0], size)
-            outs = [builder.gep(oa.data, [builder.mul(ostride, context.get_constant(types.intp, q))], inbounds=True)
-                    for q in range(n)]
+            outs = [builder.gep(oa.data, [builder.mul(ostride, context.get_constant(types.intp, q))], inbounds=True,
+                                source_etype=fty) for q in range(n)]
         cols = context.cast(builder, args[3], sig.args[3], types.intp)
-        builder.call(_col_sum_ir(builder.module, L.literal_value, n, fty), [ba.data, stride] + outs + [wa.data, cols])
+        builder.call(_col_sum_ir(builder.module, L.literal_value, n, fty, ba.data.type),
+                     [ba.data, stride] + outs + [wa.data, cols])
         return context.get_dummy_value()
 
     return sig, codegen
