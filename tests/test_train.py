@@ -183,6 +183,47 @@ def test_nan_guard_stops_and_keeps_the_last_good_checkpoint(scene, tmp_path):
     torch.testing.assert_close(res.splats["means"], ckpt["splats"]["means"])
 
 
+def test_deferred_checks_keep_a_nan_loss_out_of_the_parameters_and_stop(scene, tmp_path):
+    """A GPU run's guards read nothing back per step (``Trainer.defer_checks``, on for CUDA; forced here on the
+    CPU with the dense step, as on a GPU): a non-finite loss makes fused Adam skip its update on the device, and
+    the run stops at the next settle with the last good checkpoint, as the per-step check does."""
+    cfg = small_cfg(50, checkpoint_every=5, sparse_step=False)
+    tr = Trainer(scene, cfg, ckpt_path=tmp_path / "c.pt")
+    assert not tr.defer_checks  # a CPU run checks every step
+    tr.defer_checks = True
+    seen = {}
+
+    def nan_from_12(pred, gt, s, lam):
+        loss, l1, ss = photometric_loss(pred, gt, s, lam)
+        if tr.step == 12:
+            seen["before"] = {k: v.detach().clone() for k, v in tr.params.items()}
+        return (loss * float("nan") if tr.step >= 12 else loss), l1, ss
+
+    tr.loss_fn = nan_from_12
+    res = tr.run()
+    assert res.stopped.startswith("nonfinite: the loss became NaN/Inf at one of steps 10 to 14")
+    assert "kept the last good checkpoint (step 10)" in res.stopped
+    for k, v in seen["before"].items():  # steps 12-14 changed nothing: Adam skipped them on the device
+        assert torch.equal(tr.params[k].detach(), v), k
+    assert load_checkpoint(tmp_path / "c.pt")["step"] == 10
+    assert all(torch.isfinite(v).all() for v in res.splats.values())
+
+
+def test_deferred_checks_train_the_same_model_with_numbers_in_the_rows(scene, tmp_path):
+    """With nothing non-finite, the deferred checks change nothing: the same parameters to the bit as checking
+    every step, and the logged rows hold numbers."""
+    cfg = small_cfg(30, sparse_step=False)
+    results = []
+    for defer in (False, True):
+        tr = Trainer(scene, cfg, csv_path=tmp_path / f"t{defer}.csv")
+        tr.defer_checks = defer
+        results.append(tr.run())
+        rows = list(csv.DictReader(open(tmp_path / f"t{defer}.csv")))
+        assert rows and all(math.isfinite(float(r["loss"])) and math.isfinite(float(r["ssim"])) for r in rows)
+    for k in results[0].splats.keys():
+        assert torch.equal(results[0].splats[k], results[1].splats[k]), k
+
+
 SIGTERM_SCRIPT = """
 import sys
 from dataclasses import replace

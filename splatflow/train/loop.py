@@ -161,6 +161,11 @@ class Trainer:
         self.val_psnr: float | None = None
         self._grad_checked = False
         self.resumed_from: int | None = None
+        # On a GPU the step's guards read nothing back (see :meth:`settle`): the host queues the next step while
+        # the GPU runs this one. On the CPU a read costs nothing, and each step checks at once.
+        self.defer_checks = self.device.type == "cuda"
+        self._bad: torch.Tensor | None = None  # [2] bool on the device: a non-finite loss / parameter since settle
+        self._bad_from = 0  # the first step not yet settled
 
     @property
     def step_logger(self):
@@ -252,9 +257,15 @@ class Trainer:
             raise GradientHealthError(
                 f"the training loss does not depend on the Gaussians at all (view {self.views[i].name}): the render "
                 "was detached from the parameters. Training would run and learn nothing, so it stops here.")
-        loss_f = float(loss.detach())
-        if not math.isfinite(loss_f):
-            raise FloatingPointError(f"loss is {loss_f} at step {step} (view {self.views[i].name})")
+        if self.defer_checks:
+            loss_bad = ~torch.isfinite(loss.detach())
+            found_inf = loss_bad.float()  # fused Adam skips its update (and its step count) where this is 1
+            for opt in self.optimizers.values():
+                opt.found_inf = found_inf
+        else:
+            loss_f = float(loss.detach())
+            if not math.isfinite(loss_f):
+                raise FloatingPointError(f"loss is {loss_f} at step {step} (view {self.views[i].name})")
         loss.backward()
         if not self._grad_checked:
             self._check_gradients(self.views[i].name, info.get("leaves", self.params))
@@ -277,7 +288,10 @@ class Trainer:
                 self.sparse.sync(self.params, self.optimizers)
         with torch.no_grad():  # any NaN/Inf entry makes its group's sum non-finite: one check, one host sync
             sums = torch.stack([self.params[k].sum() for k in _NAN_CHECKED])
-            if not bool(torch.isfinite(sums).all()):
+            if self.defer_checks:
+                bad = torch.stack([loss_bad, ~torch.isfinite(sums).all()])
+                self._bad = bad if self._bad is None else self._bad | bad
+            elif not bool(torch.isfinite(sums).all()):
                 bad = [k for k, v in zip(_NAN_CHECKED, sums.tolist()) if not math.isfinite(v)]
                 raise FloatingPointError(f"parameters {', '.join(bad)} became NaN/Inf at step {step}")
         ev = getattr(self.strategy, "last_event", None)
@@ -285,9 +299,36 @@ class Trainer:
             self._log_event(ev)
         # the training PSNR is four image-sized ops for a number only logged rows show: kept for :meth:`row_psnr`
         self._psnr_inputs = (rgb.detach(), target, mask)
-        return {"step": step + 1, "phase": phase, "resolution": f"{info['width']}x{info['height']}",
-                "sigma": round(sigma, 4), "loss": loss_f, "l1": float(l1.detach()), "ssim": float(ssim_v.detach()),
-                "gaussians": self.params["means"].shape[0]}
+        row = {"step": step + 1, "phase": phase, "resolution": f"{info['width']}x{info['height']}",
+               "sigma": round(sigma, 4), "gaussians": self.params["means"].shape[0]}
+        if self.defer_checks:  # device scalars, read once per logged row (:meth:`settle`)
+            row.update(loss=loss.detach(), l1=l1.detach(), ssim=ssim_v.detach())
+        else:
+            row.update(loss=loss_f, l1=float(l1.detach()), ssim=float(ssim_v.detach()))
+        return row
+
+    def settle(self, row: dict | None = None) -> None:
+        """With :attr:`defer_checks` (a GPU run), read back what the steps since the last call left on the device,
+        in one transfer: raise ``FloatingPointError`` if a loss or a checked parameter group went NaN/Inf, and
+        turn ``row``'s device scalars into numbers. The run loop calls it right after a step (``self.step`` not
+        yet counted) when anything reads or saves the model next (a logged row, validation, a prune cut or
+        judgement, a checkpoint, a stop, the end: :meth:`_reads_model`), so a non-finite value
+        is caught as on the CPU, at most ``log_every`` steps later. A non-finite loss still never reaches the
+        parameters: fused Adam skips that step's update on the device (its ``found_inf``). Without
+        :attr:`defer_checks` every step checks at once and this does nothing."""
+        keys = [k for k in ("loss", "l1", "ssim") if row is not None and isinstance(row.get(k), torch.Tensor)]
+        if self._bad is None and not keys:
+            return
+        parts = ([self._bad.float()] if self._bad is not None else []) + [row[k].float().reshape(1) for k in keys]
+        vals = torch.cat(parts).tolist()  # the one host sync
+        bad, first, last = self._bad is not None, self._bad_from, self.step  # (steps first..last, 0-based)
+        self._bad, self._bad_from = None, self.step + 1
+        if bad and vals[0]:
+            raise FloatingPointError(f"the loss became NaN/Inf at one of steps {first} to {last}")
+        if bad and vals[1]:
+            raise FloatingPointError(f"parameters became NaN/Inf at one of steps {first} to {last}")
+        for k, v in zip(keys, vals[2 if bad else 0:]):
+            row[k] = v
 
     @torch.no_grad()
     def row_psnr(self) -> float:
@@ -371,6 +412,8 @@ class Trainer:
                 try:
                     with self.rng.lent():  # view order, windows, backgrounds, strategy noise: this run's streams
                         row = self.train_step()
+                    if self.defer_checks and self._reads_model(self.step + 1):
+                        self.settle(row)
                 except FloatingPointError as e:
                     stopped = f"nonfinite: {e}; kept the last good checkpoint (step {last_good})"
                     self.step = last_good if last_good is not None else self.step
@@ -421,6 +464,15 @@ class Trainer:
             if pbar is not None:
                 pbar.close()
             self._restore_sigterm(old_handler)
+
+    def _reads_model(self, step: int) -> bool:
+        """Whether the loop, after ``step`` completed steps, reads or saves the model or logs a row (then a GPU
+        run's deferred checks must be settled first: :meth:`settle`)."""
+        cfg = self.cfg
+        return (step % cfg.log_every == 0 or step >= cfg.max_steps or step % cfg.checkpoint_every == 0
+                or (cfg.early_stop.enabled and step % cfg.early_stop.eval_every == 0)
+                or (self.pruner is not None and self.pruner.acts_at(step))
+                or stop.requested() or (self.stop_after is not None and step >= self.stop_after))
 
     def _result(self, stopped, start_step, t_start, initial_psnr, saved) -> TrainResult:
         self.flush()

@@ -165,11 +165,19 @@ class PruneDuring:
         return self.stop_reason is None and self.done < len(self.steps)
 
     # ------------------------------------------------------------------------------------------ hooks
+    def _due(self, step: int) -> tuple[bool, bool]:
+        """(a phase to judge, a cut to make) after ``step`` completed steps."""
+        due_judge = self.stop_reason is None and self.judged < self.done and step >= self.judge_at[self.judged]
+        return due_judge, self.pending and step >= self.steps[self.done]
+
+    def acts_at(self, step: int) -> bool:
+        """Whether :meth:`after_step` validates, judges or cuts after ``step`` completed steps."""
+        return any(self._due(step))
+
     def after_step(self, trainer) -> None:
         """Called after every training step (``trainer.step`` completed steps)."""
         step = trainer.step
-        due_judge = self.stop_reason is None and self.judged < self.done and step >= self.judge_at[self.judged]
-        due_cut = self.pending and step >= self.steps[self.done]
+        due_judge, due_cut = self._due(step)
         if not (due_judge or due_cut):
             if self.pending and trainer.stopper.best_step >= 0:
                 trainer.stopper.best_step = step  # hold the plateau clock until the last cut
