@@ -257,7 +257,9 @@ class Trainer:
             raise GradientHealthError(
                 f"the training loss does not depend on the Gaussians at all (view {self.views[i].name}): the render "
                 "was detached from the parameters. Training would run and learn nothing, so it stops here.")
-        if self.defer_checks:
+        # (found_inf exists only in torch's fused Adam, which every run's optimizers are: optim.adam)
+        defer = self.defer_checks and all(o.defaults.get("fused") for o in self.optimizers.values())
+        if defer:
             loss_bad = ~torch.isfinite(loss.detach())
             found_inf = loss_bad.float()  # fused Adam skips its update (and its step count) where this is 1
             for opt in self.optimizers.values():
@@ -288,7 +290,7 @@ class Trainer:
                 self.sparse.sync(self.params, self.optimizers)
         with torch.no_grad():  # any NaN/Inf entry makes its group's sum non-finite: one check, one host sync
             sums = torch.stack([self.params[k].sum() for k in _NAN_CHECKED])
-            if self.defer_checks:
+            if defer:
                 bad = torch.stack([loss_bad, ~torch.isfinite(sums).all()])
                 self._bad = bad if self._bad is None else self._bad | bad
             elif not bool(torch.isfinite(sums).all()):
@@ -301,7 +303,7 @@ class Trainer:
         self._psnr_inputs = (rgb.detach(), target, mask)
         row = {"step": step + 1, "phase": phase, "resolution": f"{info['width']}x{info['height']}",
                "sigma": round(sigma, 4), "gaussians": self.params["means"].shape[0]}
-        if self.defer_checks:  # device scalars, read once per logged row (:meth:`settle`)
+        if defer:  # device scalars, read once per logged row (:meth:`settle`)
             row.update(loss=loss.detach(), l1=l1.detach(), ssim=ssim_v.detach())
         else:
             row.update(loss=loss_f, l1=float(l1.detach()), ssim=float(ssim_v.detach()))
