@@ -205,7 +205,7 @@ def check_model_files(model_path: Path) -> None:
 
 def level_dir(data_dir: Path, n: int) -> Path:
     """``data/S/images_N``: the dataset's own 1/N-size images under ingest's names (when it has none, only the
-    note of :func:`splatflow.paths.write_empty_note`)."""
+    note of :func:`splatflow.scene.notes.write_empty_note`)."""
     return data_dir / f"images_{n}"
 
 
