@@ -261,7 +261,8 @@ class DensifyConfig:
     prune_opa: float = 0.005
     prune_scale3d: float = 0.1
     absgrad: bool = False
-    max_gaussians: int = 120_000  # hard cap on the count (params.yaml's; a 2-core CPU budget, raise it on a GPU)
+    # hard cap on the count; "auto": sized from the scene and the device (splatflow.train.plan, train.quality)
+    max_gaussians: int | Literal["auto"] = "auto"
     # cap = min(max_gaussians, budget_multiplier * initial count); 16x: +0.35 dB test PSNR on the demo over 8x, and
     # the redundancy that lets pruning to 10% cost < 1 dB (bench/RESULTS.md, session 4)
     budget_multiplier: float = 16.0
@@ -284,7 +285,8 @@ class DensifyConfig:
         check(self.grow_scale3d > 0, "train.densify.grow_scale3d", "a number > 0", self.grow_scale3d)
         check(0.0 <= self.prune_opa < 1.0, "train.densify.prune_opa", "a number in [0, 1)", self.prune_opa)
         check(self.prune_scale3d > 0, "train.densify.prune_scale3d", "a number > 0", self.prune_scale3d)
-        check(self.max_gaussians >= 1, "train.densify.max_gaussians", "an integer >= 1", self.max_gaussians)
+        check(self.max_gaussians == "auto" or self.max_gaussians >= 1, "train.densify.max_gaussians",
+              "auto or an integer >= 1", self.max_gaussians)
         check(self.budget_multiplier >= 1.0, "train.densify.budget_multiplier", "a number >= 1",
               self.budget_multiplier)
         check(0.0 <= self.budget_ramp_fraction <= 1.0, "train.densify.budget_ramp_fraction",
@@ -366,7 +368,10 @@ class PruneDuringConfig:
 class TrainConfig:
     """Training: every behaviour of the loop is one of these named settings."""
 
-    max_steps: int = 4000
+    # "auto": steps sized from the scene (training views x pixels) and the device (splatflow.train.plan); a number
+    # pins it. train.quality scales the auto plan: draft (about half the time), standard, max (no time limit).
+    max_steps: int | Literal["auto"] = "auto"
+    quality: Literal["draft", "standard", "max"] = "standard"
     sh_degree: int = 3  # highest SH degree (its coefficients are allocated from the start)
     sh_degree_interval: int = 500  # active SH degree rises by one every this many steps
     init_opacity: float = 0.1
@@ -404,7 +409,8 @@ class TrainConfig:
     progress: bool = True
 
     def __post_init__(self):
-        check(self.max_steps >= 1, "train.max_steps", "an integer >= 1", self.max_steps)
+        check(self.max_steps == "auto" or self.max_steps >= 1, "train.max_steps", "auto or an integer >= 1",
+              self.max_steps)
         check(0 <= self.sh_degree <= 3, "train.sh_degree", "an integer in [0, 3]", self.sh_degree)
         check(self.sh_degree_interval >= 1, "train.sh_degree_interval", "an integer >= 1", self.sh_degree_interval)
         check(0.0 < self.init_opacity < 1.0, "train.init_opacity", "a number in (0, 1)", self.init_opacity)
@@ -415,7 +421,8 @@ class TrainConfig:
         check(0.0 <= self.patch_level_exponent <= 4.0, "train.patch_level_exponent", "a number in [0, 4]",
               self.patch_level_exponent)
         check(len(self.resolution) >= 1, "train.resolution", "a non-empty list of phases", self.resolution)
-        starts = [p.start_step if p.start_step is not None else p.start_fraction * self.max_steps
+        steps = self.max_steps if self.max_steps != "auto" else 10_000  # fractions keep their order at any length
+        starts = [p.start_step if p.start_step is not None else p.start_fraction * steps
                   for p in self.resolution]
         check(starts[0] == 0, "train.resolution[0]", "a first phase starting at step 0", self.resolution[0])
         check(all(a < b for a, b in zip(starts, starts[1:])), "train.resolution",
@@ -429,6 +436,11 @@ class TrainConfig:
               or pd.start_fraction >= self.densify.refine_stop_fraction, "train.prune_during.start_fraction",
               f"a fraction >= train.densify.refine_stop_fraction ({self.densify.refine_stop_fraction})",
               pd.start_fraction)
+
+    @property
+    def planned(self) -> bool:
+        """True when the step count and the Gaussian budget are numbers (pinned, or resolved by the plan)."""
+        return self.max_steps != "auto" and self.densify.max_gaussians != "auto"
 
     def window_pixels(self, backend: str) -> int:
         """The window area a run on ``backend`` ("cpu", "cuda", "torch") trains on: ``patch_max_pixels``, with

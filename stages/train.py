@@ -29,7 +29,7 @@ def run(params: Params, paths: ScenePaths) -> dict:
     """Train scene ``paths.scene``; write the checkpoint and CSV; return the metrics dict."""
     from splatflow.device import resolve
     from splatflow.scene.resolution import describe, load_working_scene
-    from splatflow.train import train
+    from splatflow.train import Trainer
 
     resolve(params.train.backend)  # a missing GPU or a broken gsplat build is reported before anything else
     if not paths.undistorted_dir.exists():
@@ -39,8 +39,10 @@ def run(params: Params, paths: ScenePaths) -> dict:
     scene, resolution = load_working_scene(params, paths)
     print(f"train [{paths.scene}]: {describe(resolution)}")
     cfg = params.train
-    res = train(scene, cfg, ckpt_path=paths.train_ckpt, csv_path=paths.train_csv, seed=params.base.seed,
-                step_logger=_step_logger())
+    trainer = Trainer(scene, cfg, ckpt_path=paths.train_ckpt, csv_path=paths.train_csv, seed=params.base.seed,
+                      step_logger=_step_logger())
+    print(f"train [{paths.scene}]: {trainer.plan.describe()}")
+    res = trainer.run()
     if stop.is_stop_label(res.stopped):
         # Not a finished stage: exit 143 so DVC records nothing and MLflow marks the run KILLED; the checkpoint
         # lets the next run resume.
@@ -64,6 +66,7 @@ def run(params: Params, paths: ScenePaths) -> dict:
         "resumed_from": res.resumed_from,
         "device": res.device,  # backend, device name, versions, peak GPU memory (null on the CPU)
         "resolution": resolution,
+        "plan": res.plan,  # steps and Gaussian budget as resolved for this scene and device (train.max_steps: auto)
         "window_pixels": res.window_pixels,  # train.patch_max_pixels as resolved for the backend (0 = whole images)
         "prune_during": res.prune_during,  # train.prune_during's cuts (null when off)
     }

@@ -31,7 +31,7 @@ from splatflow.device import resolve as resolve_device
 from splatflow.errors import UserError
 from splatflow.model import SPLAT_KEYS, Checkpoint, Splats, init_splats, scene_scale
 from splatflow.scene.images import ImageCache
-from splatflow.train import checkpoint, optim
+from splatflow.train import checkpoint, optim, plan
 from splatflow.train.prune_during import PruneDuring
 from splatflow.train.rng import RunRNG
 from splatflow.train.rows import reorder_spatially, spatial_order
@@ -45,6 +45,12 @@ from splatflow.train.windows import level_budget, patch_window
 log = logging.getLogger("splatflow.train")
 
 _NAN_CHECKED = ("means", "opacities", "scales")  # the groups whose NaN/Inf the step checks (after the strategy)
+
+
+def _gpu_memory_gib(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    return round(torch.cuda.get_device_properties(device).total_memory / 2**30, 1)
 
 
 class GradientHealthError(UserError):
@@ -78,6 +84,7 @@ class TrainResult:
     # None when they were cached or the run is on a GPU
     compile_seconds: float | None = None
     window_pixels: int = 0  # train.patch_max_pixels as this run resolved it (0 = whole images)
+    plan: dict = field(default_factory=dict)  # the resolved training plan (splatflow.train.plan.Plan.record)
 
 
 def _render_psnr(rgb: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None) -> float:
@@ -103,6 +110,13 @@ class Trainer:
         if not scene.train_views:
             raise UserError("no training views: the split left every view in the test set; check data/<scene>/"
                             "split.json and the split params")
+        # One device for the whole run (CUDA with a GPU and backend auto/cuda, else the CPU): every tensor below
+        # is made on it or moved to it; images are decoded on the host and uploaded per step (scene/images.py).
+        self.run_device = resolve_device(cfg.backend)
+        self.device = self.run_device.device
+        # train.max_steps / densify.max_gaussians "auto": sized from the scene and the device, once (plan.py)
+        self.plan = plan.resolve(cfg, scene.train_views, self.run_device.backend, _gpu_memory_gib(self.device))
+        cfg = plan.apply(cfg, self.plan)
         self.scene, self.cfg, self.seed = scene, cfg, seed
         self.ckpt_path = Path(ckpt_path) if ckpt_path else None
         self.sink = MetricsSink(csv_path, step_logger)  # plots/S/train.csv, the log and the tracking step logger
@@ -111,10 +125,6 @@ class Trainer:
         self.loss_fn: Callable = photometric_loss
         self.views = list(scene.train_views)
         self.cache = ImageCache(self.views, cfg.image_cache_mb)
-        # One device for the whole run (CUDA with a GPU and backend auto/cuda, else the CPU): every tensor below
-        # is made on it or moved to it; images are decoded on the host and uploaded per step (scene/images.py).
-        self.run_device = resolve_device(cfg.backend)
-        self.device = self.run_device.device
         reset_peak_memory(self.run_device)
         self.rng = RunRNG(seed, self.device)  # this run's own generators, lent to the global ones per step
         self.viewmats = [torch.as_tensor(np.asarray(v.world_to_cam, dtype=np.float32), device=self.device)
@@ -491,7 +501,8 @@ class Trainer:
                            val_psnr=self.val_psnr, events=list(self.events), initial_psnr=initial_psnr,
                            resumed_from=self.resumed_from, device=run_record(self.run_device),
                            prune_during=self.pruner.report() if self.pruner is not None else None,
-                           compile_seconds=self.compile_seconds, window_pixels=self.window_pixels)
+                           compile_seconds=self.compile_seconds, window_pixels=self.window_pixels,
+                           plan=self.plan.record())
 
     def _install_sigterm(self):
         """SIGTERM belongs to the stage shell (:mod:`splatflow.stop`); the loop only polls its flag, so it can
