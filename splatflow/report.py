@@ -32,6 +32,7 @@ import numpy as np
 
 from splatflow.errors import UserError
 from splatflow.paths import ScenePaths
+from splatflow.scene.fitness import fitness_warning
 
 #: Exported formats the report and the viewer read, in order of preference (the PLY is lossless).
 SPLAT_SUFFIXES = (".ply", ".spz", ".splat")
@@ -436,6 +437,14 @@ def build_report(paths: ScenePaths, *, preview_max_gaussians: int = 200000, prev
         _row("3D points", _metric(m, "sfm.points3d", 0), ""),
         _row("mean reprojection error", _metric(m, "sfm.mean_reprojection_error_px", 3, "px"), ""),
         _row("mean track length", _metric(m, "sfm.mean_track_length", 2), ""),
+        *([_row("per-image reprojection error", _metric(m, "sfm.image_reprojection_error_px_median", 3, "px")
+                + " median, " + _metric(m, "sfm.image_reprojection_error_px_p90", 3, "px") + " 90th percentile",
+                "each image's mean over the points it sees"),
+           _row("points seen by two views only", _metric(m, "sfm.points_two_view_fraction", 3),
+                "weakly triangulated")]
+          if sfm.get("image_reprojection_error_px_median") is not None else []),
+        *([_row("fit to train on", "<b>poor</b>", html.escape(fitness_warning(sfm) or ""))]
+          if sfm.get("fitness_poor") else []),
         *([_row("camera centre error", _metric(m, "sfm.camera_center_error_rel", 5),
                 "relative to the scene size, after similarity alignment to the ground truth"),
            _row("camera rotation error", _metric(m, "sfm.camera_rotation_error_deg", 3, "deg"), "")]
