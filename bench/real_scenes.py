@@ -60,8 +60,9 @@ def make_project(work: Path, scene_dir: Path, meta: dict, overrides: list[tuple[
             shutil.rmtree(proj)
         proj.mkdir(parents=True)
         (proj / "splatflow").symlink_to(ROOT / "splatflow", target_is_directory=True)  # numba's cache stays shared
-        shutil.copytree(ROOT / "stages", proj / "stages", ignore=shutil.ignore_patterns("__pycache__"))
-        shutil.copy(ROOT / "dvc.yaml", proj / "dvc.yaml")
+    shutil.rmtree(proj / "stages", ignore_errors=True)  # this checkout's stages, also for --start-at
+    shutil.copytree(ROOT / "stages", proj / "stages", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "dvc.yaml", proj / "dvc.yaml")
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     videos = sorted(scene_dir.glob("video.*"))
     source = videos[0] if videos else scene_dir / "images"
@@ -141,6 +142,13 @@ def run_stage(proj: Path, scene: str, stage: str, log_dir: Path, curve_dir: Path
 
 def evaluate_curve(proj: Path, scene: str, curve_dir: Path) -> list[dict]:
     """Test PSNR/SSIM of every copied checkpoint (LPIPS off: the curve is for the shape, the end has LPIPS)."""
+    return evaluate_checkpoints(proj, scene, sorted(curve_dir.glob("ckpt_*.pt")))
+
+
+def evaluate_checkpoints(proj: Path, scene: str, ckpts: list[Path]) -> list[dict]:
+    """Test PSNR/SSIM of each checkpoint on the scene's test views (our evaluator, LPIPS off)."""
+    if not ckpts:
+        return []
     code = f"""
 import dataclasses, json, sys, torch
 from pathlib import Path
@@ -154,11 +162,12 @@ paths = ScenePaths({scene!r})
 scene, _ = load_working_scene(params, paths)
 cfg = dataclasses.replace(params.evaluate, lpips_variants=[], save_renders=False)
 out = []
-for p in sorted(Path({str(curve_dir)!r}).glob('ckpt_*.pt')):
+for p in {[str(c) for c in ckpts]!r}:
+    p = Path(p)
     ck = load_checkpoint(p)
     splats, deg = load_splats(p)
     s, _ = evaluate(splats, deg, scene.test_views, cfg, renders_dir=None, progress=False)
-    out.append({{'step': ck['step'], 'train_seconds': round(ck['train']['elapsed_seconds'], 1), 'gaussians': s['gaussians'],
+    out.append({{'step': ck['step'], 'train_seconds': round(ck.get('elapsed_seconds') or 0.0, 1), 'gaussians': s['gaussians'],
                 'psnr': s['psnr'], 'ssim': s['ssim']}})
     print(json.dumps(out[-1]), flush=True)
 """
@@ -269,6 +278,9 @@ def main() -> None:
             stages[stage] = run_stage(proj, scene, stage, work,
                                       curve_dir if (stage == "train" and args.curve) else None)
         res = summarise(scene, meta, stages)
+        if res["gaussians"] != res["gaussians_train"]:  # the prune stage cut the model: score the uncut one too
+            whole = evaluate_checkpoints(proj, scene, [proj / "models" / scene / "train" / "ckpt.pt"])
+            res["unpruned"] = whole[0] if whole else None
         if args.curve:
             res["curve"] = evaluate_curve(proj, scene, curve_dir)
         if args.peer_opensplat:
@@ -354,6 +366,11 @@ def print_result(r: dict) -> None:
     print("   seconds " + " ".join(f"{r['stage_seconds'][s]:>9.1f}" for s in STAGES))
     print("   CPU-s   " + " ".join(f"{r['stage_cpu_seconds'][s]:>9.1f}" for s in STAGES))
     print("   peakMiB " + " ".join(f"{(r['peak_rss_mb'][s] or 0):>9.0f}" for s in STAGES))
+    if r.get("unpruned"):
+        u = r["unpruned"]
+        print(f"   unpruned (train stage's model): PSNR {u['psnr']:.2f} dB, SSIM {u['ssim']:.4f}, {u['gaussians']} "
+              f"Gaussians -> pruned {r['psnr'] - u['psnr']:+.2f} dB with {r['gaussians'] / u['gaussians']:.0%} "
+              "of them")
     for c in r.get("curve") or []:
         print(f"   curve: step {c['step']:>6}  {c['train_seconds']:>7.1f} s  {c['gaussians']:>7} G  "
               f"PSNR {c['psnr']:.2f}  SSIM {c['ssim']:.4f}")
@@ -363,11 +380,15 @@ def print_result(r: dict) -> None:
 
 
 def print_table(results: list[dict]) -> None:
-    print("| scene | registered | test PSNR / SSIM / LPIPS(alex) | Gaussians | steps | train s | peak train MiB |")
-    print("|---|---|---|---|---|---|---|")
+    print("| scene | registered | test PSNR / SSIM / LPIPS(alex) | Gaussians | unpruned PSNR (Gaussians) | steps | "
+          "train s | train CPU-s | peak train MiB |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
+        u = r.get("unpruned")
+        unp = f"{u['psnr']:.2f} ({u['gaussians']:,})" if u else "(not pruned)"
         print(f"| {r['scene']} | {r['registered']} | {r['psnr']:.2f} / {r['ssim']:.3f} / {_lp(r)} | {r['gaussians']:,} | "
-              f"{r['train_steps']} | {r['train_seconds']:.0f} | {r['peak_rss_mb'].get('train') or 0:.0f} |")
+              f"{unp} | {r['train_steps']} | {r['train_seconds']:.0f} | {r['stage_cpu_seconds']['train']:.0f} | "
+              f"{r['peak_rss_mb'].get('train') or 0:.0f} |")
         peer = r.get("peer_opensplat")
         if peer:
             lp = "n/a" if peer.get("lpips_alex") is None else f"{peer['lpips_alex']:.3f}"

@@ -458,8 +458,8 @@ class PruneConfig:
     """Phased pruning with recovery after LightGaussian (Fan et al. 2023), each Gaussian scored by the
     exact cost of removing it (``score: removal``, the default) or by LightGaussian's global significance.
 
-    Phase ``k`` (0-based) keeps ``keep_first * keep_decay**k`` of the TRAINED model's Gaussians (defaults:
-    0.6, 0.42, ..., 0.10 after six phases); each phase is followed by ``finetune_steps * keep**-finetune_growth``
+    Phase ``k`` (0-based) keeps ``keep_first * keep_decay**k`` of the TRAINED model's Gaussians (default: one
+    phase to half; on real captures deeper cuts cost 1-2.5 dB, bench/RESULTS.md "Real captures"); each phase is followed by ``finetune_steps * keep**-finetune_growth``
     steps of recovery training without densification. Pruning stops early, keeping the last accepted phase, when
     the PSNR on ``val_views`` TRAINING views (never test views) falls more than ``max_psnr_drop_db`` below the
     unpruned model's. ``enabled: false``, ``phases: 0`` or a schedule that keeps everything is a no-op that still
@@ -469,9 +469,9 @@ class PruneConfig:
     """
 
     enabled: bool = True
-    keep_first: float = 0.6  # fraction of the trained model's Gaussians kept after the first phase
+    keep_first: float = 0.5  # fraction of the trained model's Gaussians kept after the first phase
     keep_decay: float = 0.7  # each later phase keeps this fraction of the previous phase's target
-    phases: int = 6
+    phases: int = 1
     finetune_steps: int = 1000  # recovery steps after each phase (no densification), x keep^-finetune_growth
     # recovery steps grow as the model shrinks: finetune_steps x keep_fraction^-finetune_growth (0: constant);
     # a step of a smaller model is cheaper, so 0.5 keeps each phase's recovery time roughly level
@@ -479,7 +479,7 @@ class PruneConfig:
     # early stop: validation PSNR below (before - this) rejects the phase. The validation views are TRAINING views,
     # which the unpruned model fits better than unseen ones, so they overstate the loss (demo, 10%: 1.70 dB on
     # training views for 0.89 dB on the test views); 2 dB there still catches a pruning that breaks the model
-    max_psnr_drop_db: float = 2.0
+    max_psnr_drop_db: float = 0.5
     val_views: int = 4  # evenly spaced TRAINING views for the validation PSNR
     val_factor: float = 1.0  # resolution factor of the validation renders (full: pruning loses fine detail first)
     # what ranks the Gaussians: "significance" (LightGaussian: alpha x transmittance summed over the training
