@@ -28,7 +28,8 @@ model, so a Gaussian that became important after the previous recovery is kept. 
 last accepted phase, when the PSNR on a few TRAINING views falls more than a tolerance below the unpruned model's
 (test views stay untouched, docs/design.md §6).
 
-Deviations from LightGaussian, each measured on the demo scene (bench/RESULTS.md, session 4), all configurable:
+Deviations from LightGaussian, each measured on the demo scene (docs/experiments.md, Pruning, 2026-11-25), all
+configurable:
 
 - The default score is the REMOVAL cost (``prune.score: removal``), not the significance: for each Gaussian, the
   exact growth of the training views' squared error if it alone were removed (:func:`removal_scores`). The

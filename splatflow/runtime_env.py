@@ -6,8 +6,9 @@ when they start):
 * ``GOMP_SPINCOUNT=20000``: with the passive policy alone, libgomp puts a thread to sleep the moment its parallel
   region ends, and waking it for the next region costs about 50 us. A training step runs dozens of short
   regions. With a short spin (20,000 polls, tens of microseconds) before sleeping, the 36-view benchmark run
-  trained 9-10 % faster on 2 cores with the identical model, for 4-5 % more CPU time (bench/RESULTS.md,
-  session 13). The spin is short enough that a runtime which is not working sleeps, as the passive policy wants.
+  trained 9-10 % faster on 2 cores with the identical model, for 4-5 % more CPU time (docs/experiments.md,
+  Training, 2026-11-26 14:16). The spin is short enough that a runtime which is not working sleeps, as the
+  passive policy wants.
 * ``NUMBA_CACHE_DIR``: the compiled CPU kernels are cached in a folder named after a hash of the kernel sources
   (``splatflow/render/__pycache__/numba-<hash>``). numba checks a cached kernel only against its own file, and
   a checkout updated over an old cache was measured to fail compiling a changed kernel (an internal numba

@@ -48,7 +48,7 @@ def keep_freed_memory(mmap_threshold_mb: int = 64, trim_threshold_mb: int = 256)
     blocks above its mmap threshold with fresh ``mmap`` calls and unmaps them on free, so each step page-faults
     its buffers in again: 170-1,700 faults and 1-4 ms of system CPU per step at 490x273 (bench/train_step.py
     prints both). Serving blocks up to ``mmap_threshold_mb`` from the heap and keeping up to ``trim_threshold_mb``
-    of freed heap took the step from 23.0-23.7 to 21.0-21.2 ms and the faults to ~60 (bench/RESULTS.md). The
+    of freed heap took the step from 23.0-23.7 to 21.0-21.2 ms and the faults to ~60 (docs/experiments.md). The
     same as setting ``MALLOC_MMAP_THRESHOLD_``/``MALLOC_TRIM_THRESHOLD_`` before the process starts; a no-op
     (returns False) where the C library is not glibc.
     """

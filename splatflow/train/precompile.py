@@ -2,9 +2,9 @@
 
 numba compiles a kernel at its first call, in the calling process, one kernel after another. The first CPU
 training run after an install or a kernel change compiled for 83 s on one core while the other core idled:
-that was 40 % of the demo's first run (bench/RESULTS.md, session 13). Until it has done so once for a cache
-folder and a kind of machine (its marker file, :func:`cached`), :func:`precompile` has two helper processes
-compile them into the cache at once:
+that was 40 % of the demo's first run (docs/experiments.md, The demo from a fresh clone, 2026-11-26 15:04).
+Until it has done so once for a cache folder and a kind of machine (its marker file, :func:`cached`),
+:func:`precompile` has two helper processes compile them into the cache at once:
 - one compiles the loss kernels (SSIM with the training blur inside, and the transposed blur of its backward: the
   longest part);
 - the other compiles the projection, the rasterizer and the sparse step's kernels.
@@ -12,9 +12,10 @@ The two halves take about a minute each on the 2-core development VM. With one t
 The training process then loads every kernel from the cache, as every later run does. That matters for more than
 time: the rasterizer's backward compiled in the training process computed slightly different gradients from the
 same kernel loaded from the cache (after 20 demo steps, 3e-3 apart in a quaternion; after the demo's 2000 steps,
-26.22 against 26.11 dB, bench/RESULTS.md session 14), so a first run and its reruns differed. Compiled in a
-helper, a first run is a rerun. tests/test_precompile.py checks it: a training run after precompile (windows,
-the blur, the removal-cost cuts) finds every variant it calls in the cache (numba's own cache-miss counts).
+26.22 against 26.11 dB; docs/experiments.md, The demo from a fresh clone, 2026-11-26 17:05), so a first run and
+its reruns differed. Compiled in a helper, a first run is a rerun. tests/test_precompile.py checks it: a training
+run after precompile (windows, the blur, the removal-cost cuts) finds every variant it calls in the cache (numba's
+own cache-miss counts).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Pruning inside the last part of training (``train.prune_during``): the steps after each cut are its recovery.
 
 Why: the prune stage's phased pruning (:mod:`splatflow.prune`, after LightGaussian) fine-tunes the model after
-every phase; six recoveries of 1,000-3,000 steps cost about twice the training itself (bench/RESULTS.md). Training
+every phase; six recoveries of 1,000-3,000 steps cost about twice the training itself (docs/experiments.md). Training
 already ends with steps that only refine a fixed set of Gaussians (densification stops at
 ``densify.refine_stop_fraction``). Cutting the model during those steps lets them serve as the recovery, and each
 step after a cut is cheaper because fewer Gaussians are drawn, so pruning costs about its scoring (progressive
@@ -147,7 +147,7 @@ class PruneDuring:
 
         Why: by the time the cuts come the position rate has decayed to a few percent of its start, so the
         survivors can barely move into the gaps the removed Gaussians leave; the prune stage's recoveries needed
-        a rate near a third of the initial one (bench/RESULTS.md, pruning). A pure function of the policy's state,
+        a rate near a third of the initial one (docs/experiments.md, Pruning). A pure function of the policy's state,
         so a resumed run uses the same rates.
         """
         boost = self.cfg.recovery_lr_boost

@@ -3,7 +3,7 @@ can reach, and Adam stays exactly dense Adam.
 
 Why: late in a run a 60K-pixel window of an 800x600 view reaches a few thousand of 120K Gaussians, but the
 activations, the projection's per-Gaussian buffers and Adam ran over all of them, about a third of the step
-(bench/RESULTS.md, "Training"). Here a step
+(docs/experiments.md, Training). Here a step
 
 1. picks the candidates (:func:`candidates`: the projection kernel's own cheap bound on the raw parameters, so no
    Gaussian the projection would keep is left out),
