@@ -22,6 +22,8 @@ import hashlib as _hashlib
 import os as _os
 from pathlib import Path as _Path
 
+from splatflow.paths import experiment_origin
+
 _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 _os.environ.setdefault("GOMP_SPINCOUNT", "20000")
 
@@ -35,7 +37,6 @@ def _kernel_cache_dir(render: _Path | None = None) -> str:
     for src in sorted(render.glob("*.py")):
         h.update(src.name.encode())
         h.update(src.read_bytes())
-    from splatflow.paths import experiment_origin  # pathlib only: safe before numba and torch
 
     origin = experiment_origin(render)
     home = origin / "splatflow" / "render" if origin is not None else render

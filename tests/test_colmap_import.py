@@ -424,7 +424,7 @@ def test_training_handles_views_of_two_sizes(two_cameras):
     from splatflow.render import configure_threads, rasterize
     from splatflow.scene.dataset import load_scene
     from splatflow.train import train
-    from splatflow.scene.images import read_rgb
+    from splatflow.scene.pixels import read_rgb
 
     configure_threads(2)
     d, _ = two_cameras

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from splatflow.config import ConfigError, TrainConfig, params_from_dict
-from splatflow.scene.images import ImageCache, scale_intrinsics
+from splatflow.scene.cameras import scale_intrinsics
+from splatflow.scene.images import ImageCache
 from splatflow.render.blur import gaussian_blur
 from splatflow.train.schedules import ExpDecay, PlateauStopper, Schedules
 from splatflow.train.strategies import (BudgetedDefaultStrategy, Strategy, TorchMCMCStrategy,

@@ -27,6 +27,13 @@ import sys
 import time
 from pathlib import Path
 
+import splatflow
+from splatflow.model import SPLAT_KEYS, Splats
+from splatflow.render import rasterize, removal_loss
+from splatflow.render._kernels import touch_pool
+from splatflow.render.ssim import l1_ssim
+from splatflow.train.sparse import SparseAdam, candidates
+
 # the folder splatflow.render._numba_cache files splatflow's kernels under, inside NUMBA_CACHE_DIR
 _CACHE_SUBFOLDER = "splatflow_render"
 
@@ -66,8 +73,6 @@ def compile_loss_kernels() -> None:
     target views, with the training blur and without, and the gradient back to the render."""
     import torch
 
-    from splatflow.render.ssim import l1_ssim
-
     x = torch.rand(20, 24, 3, device="cpu", requires_grad=True)  # [H, W, 3] like a render
     y = torch.rand(20, 24, 3, device="cpu")
     for sigma in (2.0, 0.0):
@@ -82,11 +87,6 @@ def compile_step_kernels() -> None:
     compiled nothing more after these (its numba cache folder listed before and after)."""
     import numpy as np
     import torch
-
-    from splatflow.model import SPLAT_KEYS, Splats
-    from splatflow.render import rasterize, removal_loss
-    from splatflow.render._kernels import touch_pool
-    from splatflow.train.sparse import SparseAdam, candidates
 
     n = 64
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -137,7 +137,6 @@ def precompile(threads: int) -> float | None:
     where = "on two cores" if threads >= 2 else "in a helper process"
     print(f"compiling the CPU kernels {where} (once after an install or a kernel change; about a minute, then they "
           "load from numba's cache in seconds)", file=sys.stderr, flush=True)
-    import splatflow
 
     # the same splatflow as this process (a bench run from another checkout puts its own first on sys.path), and
     # its numba cache folder (NUMBA_CACHE_DIR, set in os.environ by `import splatflow`)

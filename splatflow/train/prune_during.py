@@ -7,7 +7,7 @@ already ends with steps that only refine a fixed set of Gaussians (densification
 step after a cut is cheaper because fewer Gaussians are drawn, so pruning costs about its scoring (progressive
 pruning during training, as in Trick-GS, rather than LightGaussian's prune-then-recover).
 
-What is kept from the prune stage: the ranking (the removal cost, :func:`splatflow.prune.removal_scores`, each
+What is kept from the prune stage: the ranking (the removal cost, :func:`splatflow.scoring.removal_scores`, each
 cut made in ``score_rounds`` geometric sub-cuts re-scored in between) and the early stop against a PSNR floor on
 TRAINING views. What differs: the cuts are fractions of the count at the first cut (geometric from 1 down to
 ``keep_final``), the score is summed over ``score_views`` evenly spaced training views instead of all of them
@@ -32,6 +32,7 @@ import torch
 from splatflow.config import PruneDuringConfig
 from splatflow.errors import UserError
 from splatflow.model import SPLAT_KEYS, Splats
+from splatflow.scoring import Camera, removal_scores, top_indices, val_indices
 from splatflow.train.rows import STRATEGY_ROW_KEYS, keep_rows
 
 log = logging.getLogger("splatflow.train")
@@ -217,8 +218,6 @@ class PruneDuring:
         return ok
 
     def _cut(self, trainer, step: int) -> None:
-        from splatflow.prune import Camera, removal_scores, top_indices, val_indices
-
         t0 = time.perf_counter()
         frac = self.fractions[self.done]
         n_cur = int(trainer.params["means"].shape[0])
