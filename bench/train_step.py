@@ -214,7 +214,8 @@ def bench_case(name, n, w, h, steps, tmp, profile=False, blur_sigma=2.4):
     # whole images (patch_max_pixels=0): the case sizes are the rendered sizes, as the step targets define them;
     # the step alone: no validation, no cut
     cfg = TrainConfig(max_steps=100_000, progress=False, backend="cpu", patch_max_pixels=0)
-    cfg = replace(cfg, early_stop=replace(cfg.early_stop, enabled=False))
+    cfg = replace(cfg, early_stop=replace(cfg.early_stop, enabled=False),
+                  prune_during=replace(cfg.prune_during, enabled=False))
     # the blur schedule's sigma falls linearly to 0 at end_step: an end far away keeps it at blur_sigma
     blur = BlurSchedule(blur_sigma, 10**12) if blur_sigma > 0 else BlurSchedule(0.0, 0)
     sched = Schedules(ResolutionSchedule((0,), (1.0,)), blur, SHSchedule(3, 1, start_degree=3),

@@ -335,13 +335,13 @@ class PruneDuringConfig:
     further cut is made. The prune stage then only verifies and copies the model.
     """
 
-    enabled: bool = False
+    enabled: bool = True
     start_fraction: float = 0.6  # first cut, as a fraction of max_steps (not before densification stops)
-    end_fraction: float = 0.8  # last cut; the steps after it recover the final model
+    end_fraction: float = 0.75  # last cut; the steps after it recover the final model
     phases: int = 3
     keep_final: float = 0.1  # fraction of the Gaussians at the first cut kept after the last
     score_rounds: int = 4  # re-scored geometric sub-cuts per phase (as prune.score_rounds)
-    score_views: int = 8  # training views the removal cost is summed over, evenly spaced (0 = all)
+    score_views: int = 16  # training views the removal cost is summed over, evenly spaced (0 = all)
     max_psnr_drop_db: float = 2.0  # early stop, against the validation PSNR just before the first cut
     recovery_lr_boost: float = 1.0  # means LR x this right after a cut, back to the schedule by the next cut (1 = off)
 
@@ -366,7 +366,7 @@ class PruneDuringConfig:
 class TrainConfig:
     """Training: every behaviour of the loop is one of these named settings."""
 
-    max_steps: int = 4000
+    max_steps: int = 6600
     sh_degree: int = 3  # highest SH degree (its coefficients are allocated from the start)
     sh_degree_interval: int = 500  # active SH degree rises by one every this many steps
     init_opacity: float = 0.1

@@ -50,7 +50,8 @@ def _cfg(strategy: str, steps: int = 40, backend: str = "cpu") -> TrainConfig:
     return replace(cfg, patch_max_pixels=1500,
                    densify=replace(cfg.densify, strategy=strategy, refine_every=5, refine_start_fraction=0.1,
                                    refine_stop_fraction=0.9, reset_every=20, max_gaussians=4000),
-                   early_stop=replace(cfg.early_stop, eval_every=10, val_views=2, patience_steps=10_000))
+                   early_stop=replace(cfg.early_stop, eval_every=10, val_views=2, patience_steps=10_000),
+                   prune_during=replace(cfg.prune_during, enabled=False))  # cut on the device: test_prune_during
 
 
 def test_strict_default_device_catches_a_forgotten_device(strict_default_device):

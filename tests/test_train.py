@@ -42,8 +42,10 @@ def scene(scene_dir):
 
 def small_cfg(max_steps=300, **kw) -> TrainConfig:
     cfg = TrainConfig(max_steps=max_steps, backend="cpu", progress=False, sh_degree_interval=max(1, max_steps // 4))
+    # the training mechanics alone: pruning during training has tests of its own (tests/test_prune_during.py)
     cfg = replace(cfg, densify=replace(cfg.densify, refine_every=25, reset_every=0),
-                  early_stop=replace(cfg.early_stop, eval_every=50, val_views=2))
+                  early_stop=replace(cfg.early_stop, eval_every=50, val_views=2),
+                  prune_during=replace(cfg.prune_during, enabled=False))
     return replace(cfg, **kw)
 
 
@@ -238,7 +240,8 @@ class Announce:
     def close(self):
         pass
 cfg = TrainConfig(max_steps=100000, backend="cpu", progress=False, checkpoint_every=100000, log_every=5)
-cfg = replace(cfg, early_stop=replace(cfg.early_stop, enabled=False))
+cfg = replace(cfg, early_stop=replace(cfg.early_stop, enabled=False),
+              prune_during=replace(cfg.prune_during, enabled=False))
 res = train(scene, cfg, ckpt_path=sys.argv[2], step_logger=Announce())
 print("STOPPED", res.stopped, res.steps, flush=True)
 """

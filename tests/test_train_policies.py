@@ -291,7 +291,7 @@ def test_the_loop_needs_only_the_strategy_protocol(tmp_path):
     scene = load_scene(d, d / "split.json")
     cfg = TrainConfig(max_steps=10, backend="cpu", progress=False)
     cfg = replace(cfg, early_stop=replace(cfg.early_stop, enabled=False),
-                  densify=replace(cfg.densify, strategy="none"))
+                  densify=replace(cfg.densify, strategy="none"), prune_during=replace(cfg.prune_during, enabled=False))
 
     class Recorder:
         def __init__(self, term):
