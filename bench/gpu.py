@@ -39,7 +39,7 @@ import torch  # noqa: E402
 def test_psnr_on(splats, sh_degree, views, device) -> list[float]:
     """Per-view test PSNR, rendering on ``device`` (one image pair there at a time)."""
     from splatflow.model import Splats, render_view
-    from splatflow.scene.images import read_rgb
+    from splatflow.scene.pixels import read_rgb
 
     splats = Splats.of(splats).to(device)
     out = []

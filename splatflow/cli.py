@@ -22,6 +22,8 @@ from typer.core import TyperGroup
 from splatflow import ops_cli, view_cli
 from splatflow.config import ConfigError, load_params
 from splatflow.errors import UserError, fail
+from splatflow.orchestrate.dvcrun import check_sources, stage_env, stage_order
+from splatflow.orchestrate.workspace import run_foreground, workspace_lock
 from splatflow.paths import require_project_root
 
 PIPELINE = "Pipeline"
@@ -60,7 +62,7 @@ def demo_scene(
     force: bool = typer.Option(False, help="rewrite the scene even if it exists"),
 ):
     """Write the synthetic demo scene (a textured room with boxes) with its true cameras."""
-    from splatflow.scene import synthetic
+    from splatflow.scene import synthetic  # lazy: OpenCV loads only for the demo scene
 
     options = dict(synthetic.DEMO_DEFAULTS)
     for key, value in (("n_views", views), ("width", width), ("height", height), ("arc_deg", arc), ("seed", seed)):
@@ -89,7 +91,7 @@ def add_scene(
     """Register a folder of images, a video or a COLMAP dataset as a scene in params.yaml (keeps its comments)."""
     from ruamel.yaml import YAML
 
-    from splatflow.scene import colmap
+    from splatflow.scene import colmap  # lazy: pycolmap loads only for the commands that read a dataset
 
     root = require_project_root()
     if not path.exists():
@@ -162,6 +164,7 @@ def add_scene(
 def _warn_if_too_few_images(folder: Path) -> None:
     """Say at once, not after `splatflow run` has started, that a folder cannot make a reconstruction (the scene is
     still added: photos may be copied in later; ingest then checks every file)."""
+    # lazy: ingest brings OpenCV and Pillow, which the other commands (and --help) do without
     from splatflow.scene.ingest import IMAGE_FILE_SUFFIXES, MIN_USABLE_IMAGES, TYPICAL_CAPTURE
 
     files = [p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_FILE_SUFFIXES
@@ -186,7 +189,6 @@ def run(
     scenes = [scene] if scene else sorted(params.base.scenes)
     for s in scenes:
         params.scene(s)  # an unknown scene: a ConfigError naming `splatflow add-scene`
-    from splatflow.orchestrate.dvcrun import check_sources, stage_env, stage_order
 
     check_sources(root, scenes)  # a capture that is not there: say so before DVC removes the scene's outputs
     targets = []
@@ -197,7 +199,6 @@ def run(
                             "params.yaml (a scene name must be a string: quote it) and dvc.yaml's foreach")
         targets += order
     cmd = [_dvc(), "repro", *targets] + (["--force"] if force else [])
-    from splatflow.orchestrate.workspace import run_foreground, workspace_lock
 
     def tell(msg: str) -> None:
         typer.secho(f"waiting: {msg} (Ctrl-C to give up)", fg=typer.colors.YELLOW, err=True)

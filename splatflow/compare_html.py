@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from splatflow import tracking
 from splatflow.errors import UserError
 
 CURVES = ("loss", "psnr", "gaussians")
@@ -93,8 +94,6 @@ def _fmt(v) -> str:
 
 def write_compare_html(run_a: str, run_b: str, out: str | Path, uri: str | None = None) -> Path:
     """Write the side-by-side page of two runs to ``out``; returns its path."""
-    from splatflow import tracking
-
     cl = tracking.client(uri)
     try:
         runs = [cl.get_run(run_a), cl.get_run(run_b)]

@@ -264,7 +264,7 @@ class DensifyConfig:
     # hard cap on the count; "auto": sized from the scene and the device (splatflow.train.plan, train.quality)
     max_gaussians: int | Literal["auto"] = "auto"
     # cap = min(max_gaussians, budget_multiplier * initial count); 16x: +0.35 dB test PSNR on the demo over 8x, and
-    # the redundancy that lets pruning to 10% cost < 1 dB (bench/RESULTS.md, session 4)
+    # the redundancy that lets pruning to 10% cost < 1 dB (docs/experiments.md, Pruning, 2026-11-25)
     budget_multiplier: float = 16.0
     # the cap grows linearly from the initial count to the whole budget at this fraction of max_steps (0: the whole
     # budget from the start): the count grows with the training resolution, so early low-resolution steps carry
@@ -337,13 +337,13 @@ class PruneDuringConfig:
     further cut is made. The prune stage then only verifies and copies the model.
     """
 
-    enabled: bool = False
+    enabled: bool = True
     start_fraction: float = 0.6  # first cut, as a fraction of max_steps (not before densification stops)
-    end_fraction: float = 0.8  # last cut; the steps after it recover the final model
+    end_fraction: float = 0.75  # last cut; the steps after it recover the final model
     phases: int = 3
     keep_final: float = 0.1  # fraction of the Gaussians at the first cut kept after the last
     score_rounds: int = 4  # re-scored geometric sub-cuts per phase (as prune.score_rounds)
-    score_views: int = 8  # training views the removal cost is summed over, evenly spaced (0 = all)
+    score_views: int = 16  # training views the removal cost is summed over, evenly spaced (0 = all)
     max_psnr_drop_db: float = 2.0  # early stop, against the validation PSNR just before the first cut
     recovery_lr_boost: float = 1.0  # means LR x this right after a cut, back to the schedule by the next cut (1 = off)
 
@@ -384,7 +384,7 @@ class TrainConfig:
     patch_max_pixels: int | Literal["auto"] = "auto"
     # a lower-resolution level (factor f < 1) trains on windows of patch_max_pixels / f^exponent pixels (whole images
     # once that exceeds the level): its steps cost little more and see more of the scene; 0 = the same area at every
-    # level (bench/RESULTS.md "Training", session 8: exponent 1 gained 0.7 dB at the same training time)
+    # level (docs/experiments.md, Training, 2026-11-25 22:50: exponent 1 gained 0.7 dB at the same training time)
     patch_level_exponent: float = 1.0
     # Adam updates only the Gaussians a step's render reaches (gsplat's visible_adam); others keep params + moments
     visible_adam: bool = False
@@ -445,9 +445,10 @@ class TrainConfig:
     def window_pixels(self, backend: str) -> int:
         """The window area a run on ``backend`` ("cpu", "cuda", "torch") trains on: ``patch_max_pixels``, with
         "auto" resolved per backend. On the CPU a step's cost grows with its pixels, so 60K-pixel windows buy more
-        steps per minute (bench/RESULTS.md "Training", session 8); a GPU step is bound by its ~180 kernel launches,
-        not its pixels, so windows only cost it quality: whole images on an H100 trained the 36-view benchmark
-        scene to 30.56-30.57 dB in 39-40 s against 29.84-30.12 dB in 52-59 s with windows (RESULTS "GPU path")."""
+        steps per minute (docs/experiments.md, Training, 2026-11-25 22:50); a GPU step is bound by its ~180 kernel
+        launches, not its pixels, so windows only cost it quality: whole images on an H100 trained the 36-view
+        benchmark scene to 30.56-30.57 dB in 39-40 s against 29.84-30.12 dB in 52-59 s with windows
+        (bench/RESULTS.md, "GPU path")."""
         if self.patch_max_pixels == "auto":
             return 0 if backend == "cuda" else CPU_WINDOW_PIXELS
         return int(self.patch_max_pixels)

@@ -14,12 +14,14 @@ device's name, the torch / gsplat / CUDA versions and, on a GPU, the peak alloca
 from __future__ import annotations
 
 import platform
+import resource
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from splatflow.errors import UserError
+from splatflow.render import resolve_backend
 
 
 @dataclass(frozen=True)
@@ -81,8 +83,6 @@ def resolve(backend: str, *, check_kernels: bool = True) -> RunDevice:
     ``check_kernels``, gsplat's kernels are loaded here, at the stage's start, so a broken toolchain is reported
     before any work is done.
     """
-    from splatflow.render import resolve_backend
-
     name = resolve_backend(backend)
     if name == "cuda":
         if check_kernels:
@@ -102,6 +102,12 @@ def to_device(obj: Any, device: torch.device | str) -> Any:
     if isinstance(obj, tuple):
         return tuple(to_device(v, device) for v in obj)
     return obj
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process so far, in MiB (Linux reports ``ru_maxrss`` in KiB): the host memory
+    every stage's metrics report (``peak_rss_mb``)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 def reset_peak_memory(dev: RunDevice | None = None) -> None:

@@ -21,14 +21,14 @@ from typing import Optional
 import typer
 
 from splatflow.errors import UserError
-
-PREFECT_PORT = 4200
-MLFLOW_PORT = 5000
+from splatflow.orchestrate import servers
+from splatflow.orchestrate.plots import render_csv_png
+from splatflow.orchestrate.rerun import rerun_commit
+from splatflow.orchestrate.workspace import parse_override
+from splatflow.paths import ScenePaths, repo_root, require_project_root
 
 
 def _root() -> Path:
-    from splatflow.paths import require_project_root
-
     return require_project_root()
 
 
@@ -40,8 +40,8 @@ def _quiet_env() -> None:
 
 
 def _use_local_prefect_server(say_temporary: bool = True) -> None:
-    """Without ``PREFECT_API_URL``, use a Prefect server on 127.0.0.1:4200 when one answers (``splatflow ui``):
-    the runs then show in its UI, and no 6-9 s ephemeral server is started per process."""
+    """Without ``PREFECT_API_URL``, use a Prefect server on 127.0.0.1 (port ``servers.PREFECT_PORT``) when one
+    answers (``splatflow ui``): the runs then show in its UI, and no 6-9 s ephemeral server is started per process."""
     _quiet_env()
     # a temporary server on a busy machine can take longer than Prefect's 20 s default to come up
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
@@ -49,15 +49,15 @@ def _use_local_prefect_server(say_temporary: bool = True) -> None:
         return
     import urllib.request
 
-    url = f"http://127.0.0.1:{PREFECT_PORT}/api"
+    url = f"http://127.0.0.1:{servers.PREFECT_PORT}/api"
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=1) as r:
             if r.status == 200:
                 os.environ["PREFECT_API_URL"] = url
     except OSError:
         if say_temporary:
-            typer.echo(f"(no Prefect server on 127.0.0.1:{PREFECT_PORT}: using a temporary one; start `splatflow ui` "
-                       "to see runs in the Prefect UI)", err=True)
+            typer.echo(f"(no Prefect server on 127.0.0.1:{servers.PREFECT_PORT}: using a temporary one; start "
+                       "`splatflow ui` to see runs in the Prefect UI)", err=True)
 
 
 SCENE_DEPLOYMENT = "reconstruct/scene"  # what `splatflow serve` deploys and a batch hands its scenes to
@@ -71,7 +71,7 @@ def _require_deployment(name: str) -> None:
     url = os.environ.get("PREFECT_API_URL")
     if not url:  # a temporary server was going to be started: it holds no deployments
         raise UserError(f"a batch runs its scenes through the {name!r} deployment's workers, but no Prefect server "
-                        f"answers on 127.0.0.1:{PREFECT_PORT} (and PREFECT_API_URL is not set): start "
+                        f"answers on 127.0.0.1:{servers.PREFECT_PORT} (and PREFECT_API_URL is not set): start "
                         "`splatflow ui`, then " + _NO_DEPLOYMENT_FIX)
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
@@ -104,16 +104,13 @@ SERVERS, FLOWS, RESULTS = "Servers and schedules", "Prefect flows", "Results"
 
 
 @servers_app.command("ui", rich_help_panel=SERVERS)
-def ui(prefect_port: int = typer.Option(PREFECT_PORT, help="Prefect server port"),
-       mlflow_port: int = typer.Option(MLFLOW_PORT, help="MLflow server port"),
+def ui(prefect_port: int = typer.Option(servers.PREFECT_PORT, help="Prefect server port"),
+       mlflow_port: int = typer.Option(servers.MLFLOW_PORT, help="MLflow server port"),
        host: str = typer.Option("127.0.0.1", help="address to bind (keep loopback unless you mean to share)"),
        prefect_home: Optional[Path] = typer.Option(None, help="Prefect database folder "
                                                    "(default: $PREFECT_HOME or ~/.prefect)")):
     """Start the Prefect and MLflow servers (low-memory settings), print their URLs; Ctrl-C stops both."""
-    from splatflow.orchestrate import servers
-
     _quiet_env()
-    from splatflow.paths import repo_root
 
     root = repo_root()  # the project's folder, or the cwd: the MLflow store and server logs go there
     home = prefect_home or Path(os.environ.get("PREFECT_HOME", Path.home() / ".prefect"))
@@ -177,8 +174,6 @@ def serve(pool: str = typer.Option("splatflow", help="process work pool name"),
         sys.path.insert(0, str(root))
     from flows.deployments import deploy_scene, ensure_pool, serve_forever
 
-    from splatflow.orchestrate import servers
-
     ensure_pool(pool)
     deploy_scene(root, pool)
     typer.echo(f"work pool {pool!r} (process) with deployment reconstruct/scene from {root}")
@@ -214,8 +209,6 @@ def flow_cmd(scene: str = typer.Argument("demo", help="scene to reconstruct"),
                                                       help="param override key=value (implies --worktree)"),
              stage_timeout: Optional[float] = typer.Option(None, help="seconds before a stage is killed")):
     """Run one scene through the Prefect ``reconstruct`` flow (one task per DVC stage)."""
-    from splatflow.orchestrate.workspace import parse_override
-
     overrides = dict(parse_override(s) for s in set_ or []) or None
     _use_local_prefect_server()
     root = _flows()
@@ -235,8 +228,6 @@ def batch_cmd(scenes: Optional[list[str]] = typer.Argument(None, help="scenes (d
               local: bool = typer.Option(False, help="run children in this process instead of the work pool"),
               force: bool = typer.Option(False, help="rerun stages DVC finds up to date")):
     """Run many scenes and/or a sweep as one batch (children via the work pool unless --local)."""
-    from splatflow.orchestrate.workspace import parse_override
-
     configs = [dict(parse_override(kv) for kv in c.split(",") if kv.strip()) for c in sweep or []] or None
     _use_local_prefect_server(say_temporary=local)
     if not local:
@@ -259,7 +250,7 @@ def reap_cmd(older_than_hours: Optional[float] = typer.Option(
                  None, help="also reap RUNNING runs of other hosts / without owner tags older than this"),
              dry_run: bool = typer.Option(False, help="only list what would be reaped")):
     """Mark KILLED the runs left RUNNING by a process that no longer exists."""
-    from splatflow import tracking
+    from splatflow import tracking  # lazy: MLflow loads only for the commands that read runs
 
     reaped = tracking.reap(older_than_hours=older_than_hours, dry_run=dry_run)
     for r in reaped:
@@ -271,7 +262,7 @@ def reap_cmd(older_than_hours: Optional[float] = typer.Option(
 def list_cmd(n: int = typer.Option(10, "-n", "--n", "--limit", help="how many"),
              scene: Optional[str] = typer.Option(None, help="only the runs of this scene")):
     """The newest runs (any status)."""
-    from splatflow import tracking
+    from splatflow import tracking  # lazy: MLflow loads only for the commands that read runs
 
     for r in tracking.latest_runs(n, scene=scene, status=None):
         t = r.data.tags
@@ -289,7 +280,7 @@ def compare_cmd(run_ids: Optional[list[str]] = typer.Argument(None, help="runs (
     """Side-by-side table of runs: params that differ, and every final metric."""
     import pandas as pd
 
-    from splatflow import tracking
+    from splatflow import tracking  # lazy: MLflow loads only for the commands that read runs
 
     ids = list(run_ids or [])
     if not ids:
@@ -305,6 +296,7 @@ def compare_cmd(run_ids: Optional[list[str]] = typer.Argument(None, help="runs (
     if html_out is not None:
         if len(ids) != 2:
             raise UserError(f"--html compares exactly two runs, got {len(ids)}")
+        # lazy: MLflow loads only for the commands that read runs
         from splatflow.compare_html import write_compare_html
 
         typer.echo(f"wrote {write_compare_html(ids[0], ids[1], html_out)}")
@@ -321,8 +313,6 @@ def rerun_cmd(commit: str = typer.Argument(..., help="git commit (or ref) to rep
               keep: bool = typer.Option(False, help="keep the worktree for inspection"),
               verbose: bool = typer.Option(False, "-v", help="stream DVC output")):
     """Reproduce a commit in a temporary worktree, log it to MLflow linked to the original, diff metrics."""
-    from splatflow.orchestrate.rerun import rerun_commit
-
     _quiet_env()
     try:
         results = rerun_commit(_root(), commit, scenes=scene or None, run_id=run, rtol=rtol, atol=atol,
@@ -354,9 +344,6 @@ def rerun_cmd(commit: str = typer.Argument(..., help="git commit (or ref) to rep
 @results_app.command("plots", rich_help_panel=RESULTS)
 def plots_cmd(scene: str = typer.Argument("demo")):
     """Render plots/<scene>/train.csv to plots/<scene>/train.png (DVC's HTML plots need the web)."""
-    from splatflow.orchestrate.plots import render_csv_png
-    from splatflow.paths import ScenePaths
-
     paths = ScenePaths(scene, _root())
     if not paths.train_csv.exists():
         raise UserError(f"{paths.train_csv} does not exist: run the train stage first (`splatflow run {scene}`)")

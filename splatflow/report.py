@@ -30,9 +30,18 @@ from typing import Any
 
 import numpy as np
 
+from splatflow.config import ReportConfig
 from splatflow.errors import UserError
+from splatflow.formats import common
+from splatflow.formats.common import sigmoid, splats_to_torch
+from splatflow.formats.ply import read_ply
+from splatflow.formats.splat import read_splat
+from splatflow.formats.spz import read_spz, write_spz
 from splatflow.paths import ScenePaths
 from splatflow.scene.fitness import fitness_warning
+from splatflow.scene.cameras import camera_centers
+from splatflow.scene.dataset import load_scene
+from splatflow.webbundle import load_bundle
 
 #: Exported formats the report and the viewer read, in order of preference (the PLY is lossless).
 SPLAT_SUFFIXES = (".ply", ".spz", ".splat")
@@ -44,24 +53,16 @@ BACKGROUND = "#101418"  # the 3D viewer's clear colour (tests look for it in scr
 
 def read_splat_file(path: str | Path) -> tuple[dict[str, np.ndarray], int]:
     """``(numpy splats, sh_degree)`` of an exported ``.ply`` / ``.spz`` / ``.splat`` (our world frame)."""
-    from splatflow.formats import common
-
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: no such splat file")
     suffix = path.suffix.lower()
     try:
         if suffix == ".ply":
-            from splatflow.formats.ply import read_ply
-
             splats, degree = read_ply(path)
         elif suffix == ".spz":
-            from splatflow.formats.spz import read_spz
-
             splats, degree = read_spz(path, to_coordinates="RDF")
         elif suffix == ".splat":
-            from splatflow.formats.splat import read_splat
-
             splats, degree = read_splat(path)
         else:
             raise UserError(f"{path}: not a splat file this viewer reads (use .ply, .spz or .splat)")
@@ -96,8 +97,6 @@ def exported_file(paths: ScenePaths) -> Path:
 
 def importance(splats: dict[str, np.ndarray]) -> np.ndarray:
     """opacity x volume: what a Gaussian contributes to an image, for choosing which ones a preview keeps."""
-    from splatflow.formats.common import sigmoid
-
     return np.exp(splats["scales"].astype(np.float64).sum(1)) * sigmoid(splats["opacities"].astype(np.float64))
 
 
@@ -112,9 +111,6 @@ def preview_subset(splats: dict[str, np.ndarray], max_gaussians: int) -> dict[st
 
 def spz_bytes(splats: dict[str, np.ndarray], sh_degree: int) -> bytes:
     """SPZ v3 bytes in our own (COLMAP) frame: Spark reads SPZ coordinates unchanged, the page sets the frame."""
-    from splatflow.formats.common import splats_to_torch
-    from splatflow.formats.spz import write_spz
-
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "preview.spz"
         write_spz(out, splats_to_torch(splats), sh_degree, version=3, from_coordinates="none")
@@ -146,14 +142,13 @@ class CameraInfo:
 
     @property
     def center(self) -> np.ndarray:
-        return -self.world_to_cam[:3, :3].T @ self.world_to_cam[:3, 3]
+        return camera_centers(self.world_to_cam)
 
 
 def scene_cameras(paths: ScenePaths) -> list[CameraInfo]:
     """Training and test cameras of the scene (empty when SfM or the split has not run)."""
     if not paths.split_json.exists() or not (paths.undistorted_dir / "sparse").exists():
         return []
-    from splatflow.scene.dataset import load_scene
 
     scene = load_scene(paths.undistorted_dir, paths.split_json)
     out = []
@@ -366,11 +361,13 @@ code{background:#eef1f4;padding:0 3px;border-radius:2px}
 """.replace("BG", BACKGROUND)
 
 
-def build_report(paths: ScenePaths, *, preview_max_gaussians: int = 200000, preview_sh_degree: int = 3,
-                 max_test_views: int = 60, max_psnr_drop_db: float | None = None, title: str | None = None) -> dict:
-    """Write ``reports/<scene>/index.html`` from the scene's stage outputs; return the report's metrics."""
-    from splatflow.webbundle import load_bundle
+def build_report(paths: ScenePaths, cfg: ReportConfig | None = None, *, max_psnr_drop_db: float | None = None,
+                 title: str | None = None) -> dict:
+    """Write ``reports/<scene>/index.html`` from the scene's stage outputs; return the report's metrics.
 
+    ``cfg`` (params.yaml's ``report`` section; its defaults when None) sizes the embedded preview and the list of
+    test views."""
+    cfg = cfg if cfg is not None else ReportConfig()
     bundle = load_bundle()  # first: a missing viewer script is the one error a user must fix before anything else
     stages = ("ingest", "sfm", "split", "train", "prune", "evaluate", "export")
     metrics = {s: _read_json(paths.metrics_json(s)) for s in stages}
@@ -380,9 +377,9 @@ def build_report(paths: ScenePaths, *, preview_max_gaussians: int = 200000, prev
     model_file = exported_file(paths)
     splats, degree = read_splat_file(model_file)
     n_full = len(splats["means"])
-    preview = preview_subset(splats, preview_max_gaussians)
+    preview = preview_subset(splats, cfg.preview_max_gaussians)
     n_prev = len(preview["means"])
-    prev_degree = min(degree, preview_sh_degree)
+    prev_degree = min(degree, cfg.preview_sh_degree)
     spz = spz_bytes(preview, prev_degree)
     cameras = scene_cameras(paths)
     target = np.median(preview["means"], axis=0) if n_prev else np.zeros(3)
@@ -462,7 +459,7 @@ def build_report(paths: ScenePaths, *, preview_max_gaussians: int = 200000, prev
         for _, r in pd.read_csv(paths.per_view_csv).iterrows():
             per_view[Path(str(r["view"])).stem] = r
     renders = sorted(paths.renders_dir.glob("*.png")) if paths.renders_dir.exists() else []
-    shown = renders[:max_test_views]
+    shown = renders[:cfg.max_test_views]
     figures = []
     for f in shown:
         r = per_view.get(f.stem)

@@ -16,10 +16,13 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from splatflow import stop
+from splatflow import stop, tracking
 from splatflow.config import ConfigError, Params, load_params
+from splatflow.device import peak_rss_mb
 from splatflow.errors import UserError, fail
+from splatflow.orchestrate.workspace import WorkspaceBusy, busy_message, foreign_writer
 from splatflow.paths import ScenePaths
+from splatflow.render import configure_threads as _configure
 
 RunFn = Callable[[Params, ScenePaths], dict]
 
@@ -47,13 +50,6 @@ def write_metrics(paths: ScenePaths, stage: str, metrics: dict) -> Path:
     return out
 
 
-def _peak_rss_mb() -> float:
-    """Peak resident set size of this process so far, in MiB (Linux reports ru_maxrss in KiB)."""
-    import resource
-
-    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1)
-
-
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     try:
@@ -68,14 +64,10 @@ def seed_everything(seed: int) -> None:
 
 def configure_threads(n: int) -> None:
     """Pin numba and torch thread counts without their OpenMP runtimes fighting (docs/design.md §3)."""
-    from splatflow.render import configure_threads as _configure
-
     _configure(n)
 
 
 def _tracking(stage: str, scene: str, params: Params, paths: ScenePaths):
-    from splatflow import tracking
-
     return tracking.stage_tracking(stage, scene, params, paths)
 
 
@@ -95,8 +87,6 @@ def _drill_hold(stage: str, scene: str) -> None:
 def _check_sole_writer(stage: str, scene: str, root: Path) -> None:
     """Stop before any work when another run writes in this checkout (a ``dvc repro`` started by hand beside a
     ``splatflow run``: DVC itself lets it run any stage whose files that run has not locked yet)."""
-    from splatflow.orchestrate.workspace import WorkspaceBusy, busy_message, foreign_writer
-
     who = foreign_writer(root)
     if who is not None:
         fail(f"\nsplatflow {stage} [{scene}] not started: {busy_message(root, who)}", WorkspaceBusy.exit_code)
@@ -134,7 +124,8 @@ def stage_main(stage: str, run: RunFn, argv: list[str] | None = None, *, needs_t
             metrics = run(params, paths)
             metrics = dict(metrics or {})
             metrics.setdefault("stage_seconds", round(time.perf_counter() - t0, 3))
-            metrics.setdefault("peak_rss_mb", _peak_rss_mb())  # of this stage's process (memory on real captures)
+            # of this stage's process (memory on real captures)
+            metrics.setdefault("peak_rss_mb", round(peak_rss_mb(), 1))
             write_metrics(paths, stage, metrics)
             tracker.log_result(metrics)
     except (UserError, ConfigError) as e:

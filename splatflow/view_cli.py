@@ -12,6 +12,8 @@ from typing import Optional
 import typer
 
 from splatflow.errors import UserError
+from splatflow.paths import ScenePaths, project_root
+from splatflow.webbundle import build
 
 app = typer.Typer()
 PANEL = "Results"
@@ -27,8 +29,7 @@ def view_cmd(
     host: str = typer.Option("127.0.0.1", help="interface to listen on (127.0.0.1: this machine only)"),
 ):
     """Serve the scene's splat in an interactive viewer (viser), with its cameras; Ctrl-C stops it."""
-    from splatflow.paths import project_root
-    from splatflow.viewer import SplatViewer, load_target, serve_forever
+    from splatflow.viewer import SplatViewer, load_target, serve_forever  # lazy: viser and torch load only to serve
 
     model = load_target(target, project_root(), stage)
     viewer = SplatViewer(model, host=host, port=port, start_camera=camera)
@@ -44,8 +45,6 @@ def view_cmd(
 @app.command("report", rich_help_panel=PANEL)
 def report_cmd(scene: str = typer.Argument("demo")):
     """Where a scene's report is (written by the `report` DVC stage), or how to make it."""
-    from splatflow.paths import ScenePaths, project_root
-
     paths = ScenePaths(scene, project_root())
     if not paths.report_html.exists():
         raise UserError(f"{paths.report_html} does not exist yet: run `splatflow run {scene}` (its last stage, "
@@ -56,7 +55,5 @@ def report_cmd(scene: str = typer.Argument("demo")):
 @app.command("build-web", rich_help_panel=PANEL)
 def build_web_cmd(force: bool = typer.Option(False, help="rebuild even when the bundle is current")):
     """npm-install the pinned splat renderer (splatflow/web) and bundle the report's 3D viewer script."""
-    from splatflow.webbundle import build
-
     out = build(force=force, log=typer.echo)
     typer.echo(f"viewer script: {Path(out)}")

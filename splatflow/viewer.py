@@ -25,9 +25,14 @@ from pathlib import Path
 
 import numpy as np
 
+from splatflow.config import load_params
 from splatflow.errors import UserError
+from splatflow.formats.common import as_numpy_splats
+from splatflow.model import load_splats
 from splatflow.paths import ScenePaths
+from splatflow.render.projection import eval_sh
 from splatflow.report import CameraInfo, read_splat_file, scene_cameras
+from splatflow.sh import SH_C0
 
 STAGES = ("export", "prune", "train")  # newest first: what `view SCENE` shows without --stage
 TRAIN_COLOR = (150, 150, 150)
@@ -84,9 +89,6 @@ def load_target(target: str, root: Path, stage: str | None = None) -> LoadedMode
                             f"or `dvc repro train@{target}`); it writes {paths.train_ckpt}")
         stage, source = found[0]
     if source.suffix == ".pt":
-        from splatflow.formats.common import as_numpy_splats
-        from splatflow.model import load_splats
-
         splats_t, degree = load_splats(source)
         splats = as_numpy_splats(splats_t, degree)
     else:
@@ -121,8 +123,6 @@ def _checked_splats(splats: dict[str, np.ndarray], source: Path, scene: str | No
 
 def _known_scenes(root: Path) -> set[str] | None:
     try:
-        from splatflow.config import load_params
-
         return set(load_params(root / "params.yaml").base.scenes)
     except Exception:  # noqa: BLE001 - no or broken params.yaml: judge by the folders alone
         return None
@@ -147,12 +147,10 @@ def sh_colors(splats: dict[str, np.ndarray], degree: int, eye: np.ndarray | None
     """RGB in [0, 1] [N, 3] seen from ``eye``: SH up to ``degree`` (degree 0 needs no eye), as the rasterizer does."""
     import torch
 
-    from splatflow.render.projection import eval_sh
-
     coeffs = np.concatenate([splats["sh0"], splats["shN"]], axis=1)  # [N, K, 3]
     degree = min(degree, int(round(math.sqrt(coeffs.shape[1]))) - 1)
     if degree == 0 or eye is None:
-        rgb = 0.5 + coeffs[:, 0, :] * 0.28209479177387814
+        rgb = 0.5 + coeffs[:, 0, :] * SH_C0
     else:
         dirs = torch.from_numpy(splats["means"].astype(np.float32) - np.asarray(eye, np.float32)[None])
         rgb = (eval_sh(degree, dirs, torch.from_numpy(coeffs.astype(np.float32))) + 0.5).numpy()

@@ -7,22 +7,14 @@ Reads ``data/S/undistorted/`` and ``data/S/split.json``; writes ``models/S/train
 
 from __future__ import annotations
 
-import resource
-
 from splatflow import stop
 from splatflow.config import Params
+from splatflow.device import peak_rss_mb
 from splatflow.errors import UserError
 from splatflow.paths import ScenePaths
 from splatflow.stage import stage_main
 from splatflow.stop import StageStopped
-
-
-def _step_logger():
-    try:
-        from splatflow.tracking import step_logger
-    except ImportError:  # tracking is optional for the stage's own work
-        return None
-    return step_logger("train")
+from splatflow.tracking import step_logger
 
 
 def run(params: Params, paths: ScenePaths) -> dict:
@@ -40,7 +32,7 @@ def run(params: Params, paths: ScenePaths) -> dict:
     print(f"train [{paths.scene}]: {describe(resolution)}")
     cfg = params.train
     trainer = Trainer(scene, cfg, ckpt_path=paths.train_ckpt, csv_path=paths.train_csv, seed=params.base.seed,
-                      step_logger=_step_logger())
+                      step_logger=step_logger("train"))
     print(f"train [{paths.scene}]: {trainer.plan.describe()}")
     res = trainer.run()
     if stop.is_stop_label(res.stopped):
@@ -50,7 +42,6 @@ def run(params: Params, paths: ScenePaths) -> dict:
     if res.stopped.startswith("nonfinite"):
         raise UserError(f"training diverged: {res.stopped}. The last good checkpoint is {paths.train_ckpt}; "
                         "lower train.lr.* (e.g. lr.means or lr.opacities) and rerun")
-    peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux reports KiB
     refine = [e for e in res.events if "gaussians" in e]
     return {
         "steps": res.steps,
@@ -60,7 +51,7 @@ def run(params: Params, paths: ScenePaths) -> dict:
         # the CPU kernels compiled before the first step (a first run after an install or a kernel change)
         "compile_seconds": None if res.compile_seconds is None else round(res.compile_seconds, 1),
         "it_per_s": round(res.it_per_s, 3),
-        "peak_rss_mb": round(peak_rss_mb, 1),
+        "peak_rss_mb": round(peak_rss_mb(), 1),
         "val_psnr": None if res.val_psnr is None else round(res.val_psnr, 4),
         "refine_events": len(refine),
         "resumed_from": res.resumed_from,

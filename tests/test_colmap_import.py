@@ -424,7 +424,7 @@ def test_training_handles_views_of_two_sizes(two_cameras):
     from splatflow.render import configure_threads, rasterize
     from splatflow.scene.dataset import load_scene
     from splatflow.train import train
-    from splatflow.scene.images import read_rgb
+    from splatflow.scene.pixels import read_rgb
 
     configure_threads(2)
     d, _ = two_cameras
@@ -432,7 +432,8 @@ def test_training_handles_views_of_two_sizes(two_cameras):
     assert {(v.width, v.height) for v in scene.views} == {(320, 240), (400, 300)}
     cfg = TrainConfig(max_steps=120, backend="cpu", progress=False, sh_degree=1, sh_degree_interval=60,
                       patch_max_pixels=0)
-    cfg = replace(cfg, early_stop=replace(cfg.early_stop, enabled=False))
+    cfg = replace(cfg, early_stop=replace(cfg.early_stop, enabled=False),
+                  prune_during=replace(cfg.prune_during, enabled=False))
     res = train(scene, cfg, seed=0)
     assert res.steps == 120
 

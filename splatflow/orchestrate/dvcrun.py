@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from splatflow.errors import UserError
+
 VENV_BIN = Path(sys.executable).parent
 #: DVC's message when another dvc process holds the workspace lock: the one failure a retry can fix.
 LOCK_BUSY = re.compile(r"Unable to acquire lock|is busy|LockError", re.IGNORECASE)
@@ -123,8 +125,6 @@ def check_sources(root: str | Path, scenes: list[str]) -> None:
     included (an unmounted drive cost a finished scene its ingest). Raises a UserError that names each missing
     path and the fix; nothing has run then."""
     import yaml
-
-    from splatflow.errors import UserError
 
     root = Path(root)
     try:  # read as DVC reads it (the params are validated by the stages; a flow may drive another DVC project)

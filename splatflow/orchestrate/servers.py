@@ -18,7 +18,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -242,6 +241,3 @@ def settle_flow_runs(pool: str, pids: set[int]) -> list[str]:
             settled.append(f"{run.name} ({state.type.value})")
     return settled
 
-
-def python_exe() -> str:
-    return sys.executable

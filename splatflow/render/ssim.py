@@ -23,6 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+# the module, not its functions: the CPU kernels are looked up at the call (tests replace them to prove a path)
+from splatflow.render import filters
+from splatflow.render.blur import gaussian_blur_pair
+
 WINDOW = 11
 SIGMA = 1.5
 C1 = 0.01**2
@@ -95,9 +99,7 @@ def ssim(x: Tensor, y: Tensor) -> Tensor:
     if y.dtype != x.dtype:
         y = y.to(x.dtype)
     if x.device.type == "cpu" and y.device.type == "cpu":
-        from .filters import ssim_cpu
-
-        return ssim_cpu(x, y)  # (the kernels read any layout)
+        return filters.ssim_cpu(x, y)  # (the kernels read any layout)
     return _SSIM.apply(x.contiguous(), y.contiguous())
 
 
@@ -116,15 +118,11 @@ def l1_ssim(x: Tensor, y: Tensor, blur_sigma: float = 0.0) -> tuple[Tensor, Tens
         y = y.to(x.dtype)
     blur = blur_sigma >= BLUR_MIN_SIGMA
     if x.device.type == "cpu" and y.device.type == "cpu":
-        from .filters import blurred_l1_ssim_cpu, ssim_l1_cpu
-
         # the kernels read the images where they lie (the training step's [H, W, 3] render and target seen as
         # [1, 3, H, W]) and hand the gradient back in the render's layout: no copy either way
-        s, l1 = (blurred_l1_ssim_cpu(x, y, blur_sigma) if blur else ssim_l1_cpu(x, y))
+        s, l1 = (filters.blurred_l1_ssim_cpu(x, y, blur_sigma) if blur else filters.ssim_l1_cpu(x, y))
         return l1, s
     if blur:  # the torch blur for other devices lives with the schedule that drives it
-        from splatflow.render.blur import gaussian_blur_pair
-
         x, y = gaussian_blur_pair(x, y, blur_sigma)
     return (x - y).abs().mean(), _SSIM.apply(x.contiguous(), y.contiguous())
 

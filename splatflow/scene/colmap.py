@@ -28,9 +28,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from splatflow.config import IngestConfig, SfmConfig
+from splatflow.config import BaseConfig, IngestConfig, SfmConfig
 from splatflow.errors import UserError
+from splatflow.scene.groundtruth import read_ground_truth
+from splatflow.scene.ingest import _Reject, _save, open_image, output_names
 from splatflow.scene.notes import write_empty_note
+from splatflow.scene.schemas import validate_reconstruction
+from splatflow.scene.sfm import SfmResult, _replace_dir, camera_summary, list_images, model_metrics, undistort_model
 
 __all__ = ["LEVELS", "find_model", "is_colmap_dataset", "level_dir", "output_name_map", "copy_levels",
            "empty_levels", "import_model", "check_model_files"]
@@ -211,8 +215,6 @@ def level_dir(data_dir: Path, n: int) -> Path:
 
 def output_name_map(source_images: Path, image_format: str) -> dict[str, str]:
     """Source file name -> the name ingest gives it in ``data/S/images`` (the same rule ingest applies)."""
-    from splatflow.scene.ingest import output_names
-
     files = [p.name for p in source_images.iterdir() if p.is_file() and not p.name.startswith(".")]
     return output_names(files, image_format)
 
@@ -251,8 +253,6 @@ def copy_levels(dataset_root: Path, kept: list[tuple[str, str, int, int]], data_
     Returns ``{"images_N": {"copied": k} | {"absent": True} | {"skipped": reason}}``.
     """
     from tqdm import tqdm
-
-    from splatflow.scene.ingest import _Reject, _save, open_image
 
     out: dict[str, dict] = {}
     for n in LEVELS:
@@ -314,8 +314,8 @@ def _say(msg: str) -> None:
 
 
 def import_model(model_path: Path, images_dir: Path, sparse_dir: Path, undistorted_dir: Path, cfg: SfmConfig, *,
-                 name_map: dict[str, str] | None = None, rejected: dict[str, str] | None = None, threads: int = 2,
-                 ground_truth: Path | None = None):
+                 name_map: dict[str, str] | None = None, rejected: dict[str, str] | None = None,
+                 threads: int = BaseConfig.threads, ground_truth: Path | None = None):
     """Import the COLMAP model at ``model_path`` for the images ingest wrote to ``images_dir`` (module docstring).
 
     ``name_map``: model image name -> ingest output name (:func:`output_name_map`); names not in it are used as
@@ -326,11 +326,6 @@ def import_model(model_path: Path, images_dir: Path, sparse_dir: Path, undistort
     """
     import pycolmap
     from PIL import Image
-
-    from splatflow.scene.groundtruth import read_ground_truth
-    from splatflow.scene.schemas import validate_reconstruction
-    from splatflow.scene.sfm import (SfmResult, _replace_dir, camera_summary, list_images, model_metrics,
-                                     undistort_model)
 
     t0 = time.perf_counter()
     name_map, rejected = name_map or {}, rejected or {}

@@ -47,7 +47,7 @@ from pathlib import Path
 
 import numpy as np
 
-from splatflow.config import SfmConfig
+from splatflow.config import BaseConfig, SfmConfig
 from splatflow.errors import UserError
 from splatflow.scene.fitness import fitness_warning, model_fitness
 from splatflow.scene.groundtruth import camera_error, read_ground_truth
@@ -437,8 +437,9 @@ def undistort_model(sparse_dir: Path, images_dir: Path, out_dir: Path, final_dir
 
 
 def run_sfm(images_dir: str | Path, sparse_dir: str | Path, undistorted_dir: str | Path, cfg: SfmConfig, *,
-            seed: int = 0, threads: int = 2, ordered_sequence: bool = False, ground_truth: str | Path | None = None,
-            progress: bool = True, folders: dict[str, str] | None = None) -> SfmResult:
+            seed: int = 0, threads: int = BaseConfig.threads, ordered_sequence: bool = False,
+            ground_truth: str | Path | None = None, progress: bool = True,
+            folders: dict[str, str] | None = None) -> SfmResult:
     """Run SfM on every image in ``images_dir``; write the largest model to ``sparse_dir`` (COLMAP binary) and the
     PINHOLE-undistorted images and model to ``undistorted_dir/{images,sparse}``. ``folders``: image name -> source
     sub-folder, as ingest recorded it (ingest.json ``image_folders``), for the per-folder cameras.

@@ -16,6 +16,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+from splatflow import stop
 from splatflow.tracking import steps
 from splatflow.tracking.metadata import (artifact_files, backend_tags, device_tags, dvc_lock_tags, flatten_params,
                                          log_files, log_train_plot, numeric_metrics, process_tags, stage_sections)
@@ -136,8 +137,6 @@ def stage_tracking(stage: str, scene: str, params: Any = None, paths: Any = None
 
     A failure to reach the tracking store is a warning, never a stage failure.
     """
-    from splatflow import stop
-
     root = Path(getattr(paths, "root", None) or repo_root()).resolve()
     # This process's one SIGTERM owner (splatflow.stop), installed before anything that may take a while, so a
     # SIGTERM while the run is being opened is recorded too; opening is not interrupted half-way.

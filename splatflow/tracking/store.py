@@ -8,13 +8,15 @@ import os
 import time
 from pathlib import Path
 
+from splatflow.orchestrate.servers import MLFLOW_PORT
+
 DEFAULT_EXPERIMENT = "splatflow"
 
 
 #: MLflow 3's UI opens an experiment in its GenAI view unless this tag marks it for model training.
 EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
 #: Where ``splatflow ui`` serves the MLflow UI (used for links when the tracking URI is a local database).
-DEFAULT_UI_URL = "http://127.0.0.1:5000"
+DEFAULT_UI_URL = f"http://127.0.0.1:{MLFLOW_PORT}"
 
 
 def enabled() -> bool:

@@ -22,6 +22,7 @@ from splatflow.device import to_device
 from splatflow.errors import UserError
 from splatflow.model import SPLAT_KEYS, Checkpoint, Splats
 from splatflow.train.optim import adam
+from splatflow.train.sparse import SparseAdam
 
 log = logging.getLogger("splatflow.train")
 
@@ -97,8 +98,6 @@ def restore(tr, ckpt: Checkpoint | dict) -> None:
 def _restore_sparse(tr, state: dict | None) -> None:
     """The sparse step's bookkeeping (train.sparse_step): rows the checkpoint holds behind their Adam count
     continue from there; a run without the sparse step brings them up to date at once."""
-    from splatflow.train.sparse import SparseAdam
-
     sparse = getattr(tr, "sparse", None)
     if state is None:
         if sparse is not None:

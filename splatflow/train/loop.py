@@ -30,8 +30,11 @@ from splatflow.device import reset_peak_memory, run_record
 from splatflow.device import resolve as resolve_device
 from splatflow.errors import UserError
 from splatflow.model import SPLAT_KEYS, Checkpoint, Splats, init_splats, scene_scale
+from splatflow.render import rasterize
+from splatflow.render.ssim import l1_ssim
 from splatflow.scene.images import ImageCache
 from splatflow.train import checkpoint, optim, plan
+from splatflow.train import precompile as compile_ahead  # the module: tests stand in for its compile
 from splatflow.train.prune_during import PruneDuring
 from splatflow.train.rng import RunRNG
 from splatflow.train.rows import reorder_spatially, spatial_order
@@ -59,8 +62,6 @@ class GradientHealthError(UserError):
 
 def photometric_loss(pred: torch.Tensor, gt: torch.Tensor, sigma_px: float, ssim_lambda: float):
     """``(loss, l1, ssim)`` of ``[1, 3, H, W]`` images after blurring both by ``sigma_px`` (3DGS Eq. 7)."""
-    from splatflow.render.ssim import l1_ssim
-
     # on CPU: blur of both, L1 and SSIM in two kernel passes forward, one backward; the target gets no gradient
     l1, s = l1_ssim(pred, gt, blur_sigma=sigma_px)
     return (1.0 - ssim_lambda) * l1 + ssim_lambda * (1.0 - s), l1, s
@@ -197,8 +198,6 @@ class Trainer:
         window are rendered, from copies of their rows: ``info["rows"]`` holds their indices and ``info["leaves"]``
         the copies, whose ``.grad`` the backward fills (``self.params`` get none).
         """
-        from splatflow.render import rasterize
-
         w, h = self.cache.shape(i, factor)
         budget = level_budget(self.window_pixels, factor, self.cfg.patch_level_exponent)
         win = patch_window(w, h, budget) if patch else None
@@ -411,9 +410,7 @@ class Trainer:
         if self.run_device.backend == "cpu":  # a first run after an install or a kernel change: helper processes
             import numba
 
-            from splatflow.train.precompile import precompile
-
-            self.compile_seconds = precompile(numba.get_num_threads())
+            self.compile_seconds = compile_ahead.precompile(numba.get_num_threads())
         initial_psnr = self.validate() if self.step == 0 and cfg.early_stop.enabled else None
         old_handler = self._install_sigterm()
         pbar = _progress(cfg.progress, cfg.max_steps, self.step)
