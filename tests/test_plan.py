@@ -105,3 +105,27 @@ def test_the_trainer_trains_with_the_resolved_plan(tmp_path):
     assert res.steps == 20 and res.plan["max_steps"] == 20 and res.plan["steps_auto"] == 0
     assert res.plan["gaussians_auto"] == 1 and res.plan["max_gaussians"] == expected.max_gaussians
     assert res.plan["train_views"] == len(scene.train_views)
+
+
+def test_a_cuda_run_reads_its_card_memory_for_the_plan(monkeypatch):
+    """On CUDA the trainer sizes the budget by the card's memory (the device properties, read once); no CUDA call
+    is made for a CPU run."""
+    import types
+
+    import torch
+
+    from splatflow.train.loop import _gpu_memory_gib
+
+    calls = []
+
+    def props(dev):
+        calls.append(dev)
+        return types.SimpleNamespace(total_memory=16 * 2**30, name="a 16 GiB card")
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", props)
+    assert _gpu_memory_gib(torch.device("cpu")) is None and not calls
+    gib = _gpu_memory_gib(torch.device("cuda", 0))
+    assert gib == 16.0 and len(calls) == 1
+    p = plan.resolve(TrainConfig(), None, "cuda", gib, pixels=BONSAI)
+    assert p.max_gaussians == min(plan.resolve(TrainConfig(), None, "cuda", 1000.0, pixels=BONSAI).max_gaussians,
+                                  plan.GAUSSIANS_PER_GIB * 16)
