@@ -337,7 +337,7 @@ class PruneDuringConfig:
     further cut is made. The prune stage then only verifies and copies the model.
     """
 
-    enabled: bool = True
+    enabled: bool = False  # on real captures its cuts cost 1-2.5 dB (bench/RESULTS.md "Real captures")
     start_fraction: float = 0.6  # first cut, as a fraction of max_steps (not before densification stops)
     end_fraction: float = 0.75  # last cut; the steps after it recover the final model
     phases: int = 3
