@@ -41,9 +41,6 @@ app = typer.Typer(cls=CLIGroup, no_args_is_help=True, add_completion=False,
                   help="splatflow: reproducible 3D Gaussian Splatting (ingest → sfm → split → train → prune "
                        "→ evaluate → export)")
 
-VIDEO_SUFFIXES = {".mp4", ".mov", ".avi", ".mkv", ".m4v", ".webm"}
-
-
 def _dvc() -> str:
     exe = Path(sys.executable).parent / "dvc"
     return str(exe) if exe.exists() else (shutil.which("dvc") or "dvc")
@@ -94,9 +91,10 @@ def add_scene(
     root = require_project_root()
     if not path.exists():
         raise UserError(f"{path} does not exist; give a folder of images or a video file")
-    if path.is_file() and path.suffix.lower() not in VIDEO_SUFFIXES:
-        raise UserError(f"{path} is a file but not a video ({', '.join(sorted(VIDEO_SUFFIXES))}); "
-                        "give a folder of images or a video file")
+    if path.is_file():
+        from splatflow.scene.video import check_video_source
+
+        check_video_source(path)  # ingest's own test: opened and a frame decoded, whatever the suffix
     if not name or not all(c.isascii() and (c.isalnum() or c in "-_") for c in name):
         raise UserError(f"scene name {name!r}: use ASCII letters, digits, '-' and '_' only")
     params_path = root / "params.yaml"
