@@ -125,6 +125,8 @@ def add_scene(
     if path.is_dir() and colmap.is_colmap_dataset(path):
         # An existing reconstruction: the sfm stage imports it instead of running SfM (splatflow.scene.colmap).
         entry["colmap"] = colmap.find_model(path)
+    elif path.is_dir() and (path / "images").is_dir() and colmap.partial_model(path) is not None:
+        raise UserError(colmap.incomplete_model_message(*colmap.partial_model(path), images=path / "images"))
     elif path.is_dir() and (path / "images").is_dir() and not any(
             p.is_file() and not p.name.startswith(".") for p in path.iterdir()):
         raise UserError(f"{path} holds an images/ folder but no COLMAP model (cameras, images, points3D as .bin or "
