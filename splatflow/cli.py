@@ -189,6 +189,16 @@ def run(
     from splatflow.orchestrate.dvcrun import check_sources, stage_env, stage_order
 
     check_sources(root, scenes)  # a capture that is not there: say so before DVC removes the scene's outputs
+    from splatflow import tracking
+
+    extra_env = {}
+    if tracking.enabled():  # once per run, before DVC: a dead server stops here in seconds (exit 2)
+        uri = tracking.tracking_uri(root)
+        tracking.check_reachable(uri)
+        problem = tracking.store_problem(uri)
+        if problem:  # said once here; the stages then run untracked without saying it again
+            typer.secho(f"warning: {problem}", fg=typer.colors.YELLOW, err=True)
+            extra_env["SPLATFLOW_TRACKING"] = "off"
     targets = []
     for s in scenes:
         order = stage_order(root, s)
@@ -204,7 +214,7 @@ def run(
 
     with workspace_lock(root, wait_s=None if wait else 0, on_wait=tell):  # WorkspaceBusy: exit 3
         typer.echo("$ " + " ".join(["dvc", *cmd[1:]]))
-        rc = run_foreground(cmd, root, stage_env())
+        rc = run_foreground(cmd, root, stage_env(extra_env))
     if rc in (130, 143):
         typer.secho(f"stopped ({'Ctrl-C' if rc == 130 else 'SIGTERM'}): the stage that ran kept its partial work "
                     f"(train: its checkpoint) and its MLflow run is KILLED; `{' '.join(['splatflow run', *scenes])}` "
