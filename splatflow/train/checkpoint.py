@@ -118,7 +118,8 @@ def _set_aside(path, error: Exception) -> None:
     from pathlib import Path
 
     path = Path(path)
-    reason = str(error).removeprefix(f"{path}: ").split("; delete it")[0]
+    reason = str(error).removeprefix(f"{path}: ").split("; delete it")[0].split(". ")[0]  # torch adds advice
+    reason += ")" * (reason.count("(") - reason.count(")"))
     aside = path.with_name(f"{path.name}.unreadable-{time.strftime('%Y%m%dT%H%M%S')}")
     try:
         path.rename(aside)
