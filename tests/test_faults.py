@@ -53,7 +53,7 @@ def _outputs(root: Path) -> dict[str, bytes]:
     return files
 
 
-def _timed(cmd: list[str], root: Path, env: dict, timeout: float = 300) -> tuple[subprocess.CompletedProcess, float]:
+def _timed(cmd: list[str], root: Path, env: dict, timeout: float = 900) -> tuple[subprocess.CompletedProcess, float]:
     t0 = time.monotonic()
     r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
     return r, time.monotonic() - t0
@@ -176,10 +176,10 @@ def test_a_bad_key_stops_any_repro_even_in_a_section_its_stages_do_not_read(proj
     checks the whole file in every repro) rather than passing silently until a later run."""
     params = proj / "params.yaml"
     good = params.read_text()
+    before = _outputs(proj)
     data = yaml.safe_load(good)
     data["train"]["max_stepz"] = 10
     params.write_text(yaml.safe_dump(data, sort_keys=False))
-    before = _outputs(proj)
     try:
         r, _ = _timed([str(BIN / "dvc"), "repro", f"ingest@{SCENE}"], proj, _env(proj))
     finally:
