@@ -43,9 +43,6 @@ app = typer.Typer(cls=CLIGroup, no_args_is_help=True, add_completion=False,
                   help="splatflow: reproducible 3D Gaussian Splatting (ingest → sfm → split → train → prune "
                        "→ evaluate → export)")
 
-VIDEO_SUFFIXES = {".mp4", ".mov", ".avi", ".mkv", ".m4v", ".webm"}
-
-
 def _dvc() -> str:
     exe = Path(sys.executable).parent / "dvc"
     return str(exe) if exe.exists() else (shutil.which("dvc") or "dvc")
@@ -96,9 +93,10 @@ def add_scene(
     root = require_project_root()
     if not path.exists():
         raise UserError(f"{path} does not exist; give a folder of images or a video file")
-    if path.is_file() and path.suffix.lower() not in VIDEO_SUFFIXES:
-        raise UserError(f"{path} is a file but not a video ({', '.join(sorted(VIDEO_SUFFIXES))}); "
-                        "give a folder of images or a video file")
+    if path.is_file():
+        from splatflow.scene.video import check_video_source
+
+        check_video_source(path)  # ingest's own test: opened and a frame decoded, whatever the suffix
     if not name or not all(c.isascii() and (c.isalnum() or c in "-_") for c in name):
         raise UserError(f"scene name {name!r}: use ASCII letters, digits, '-' and '_' only")
     params_path = root / "params.yaml"
@@ -129,6 +127,8 @@ def add_scene(
     if path.is_dir() and colmap.is_colmap_dataset(path):
         # An existing reconstruction: the sfm stage imports it instead of running SfM (splatflow.scene.colmap).
         entry["colmap"] = colmap.find_model(path)
+    elif path.is_dir() and (path / "images").is_dir() and colmap.partial_model(path) is not None:
+        raise UserError(colmap.incomplete_model_message(*colmap.partial_model(path), images=path / "images"))
     elif path.is_dir() and (path / "images").is_dir() and not any(
             p.is_file() and not p.name.startswith(".") for p in path.iterdir()):
         raise UserError(f"{path} holds an images/ folder but no COLMAP model (cameras, images, points3D as .bin or "
@@ -191,6 +191,16 @@ def run(
         params.scene(s)  # an unknown scene: a ConfigError naming `splatflow add-scene`
 
     check_sources(root, scenes)  # a capture that is not there: say so before DVC removes the scene's outputs
+    from splatflow import tracking
+
+    extra_env = {}
+    if tracking.enabled():  # once per run, before DVC: a dead server stops here in seconds (exit 2)
+        uri = tracking.tracking_uri(root)
+        tracking.check_reachable(uri)
+        problem = tracking.store_problem(uri)
+        if problem:  # said once here; the stages then run untracked without saying it again
+            typer.secho(f"warning: {problem}", fg=typer.colors.YELLOW, err=True)
+            extra_env["SPLATFLOW_TRACKING"] = "off"
     targets = []
     for s in scenes:
         order = stage_order(root, s)
@@ -205,7 +215,7 @@ def run(
 
     with workspace_lock(root, wait_s=None if wait else 0, on_wait=tell):  # WorkspaceBusy: exit 3
         typer.echo("$ " + " ".join(["dvc", *cmd[1:]]))
-        rc = run_foreground(cmd, root, stage_env())
+        rc = run_foreground(cmd, root, stage_env(extra_env))
     if rc in (130, 143):
         typer.secho(f"stopped ({'Ctrl-C' if rc == 130 else 'SIGTERM'}): the stage that ran kept its partial work "
                     f"(train: its checkpoint) and its MLflow run is KILLED; `{' '.join(['splatflow run', *scenes])}` "

@@ -67,8 +67,8 @@ def configure_threads(n: int) -> None:
     _configure(n)
 
 
-def _tracking(stage: str, scene: str, params: Params, paths: ScenePaths):
-    return tracking.stage_tracking(stage, scene, params, paths)
+def _tracking(stage: str, scene: str, params: Params, paths: ScenePaths, record: bool = True):
+    return tracking.stage_tracking(stage, scene, params, paths, record=record)
 
 
 def _drill_hold(stage: str, scene: str) -> None:
@@ -92,12 +92,20 @@ def _check_sole_writer(stage: str, scene: str, root: Path) -> None:
         fail(f"\nsplatflow {stage} [{scene}] not started: {busy_message(root, who)}", WorkspaceBusy.exit_code)
 
 
-def stage_main(stage: str, run: RunFn, argv: list[str] | None = None, *, needs_threads: bool = True) -> None:
+def _resume_hint(scene: str) -> str:
+    return (f"`splatflow run {scene}` continues from here (train from its checkpoint, prune after its last finished "
+            f"phase; other stages start over)")
+
+
+def stage_main(stage: str, run: RunFn, argv: list[str] | None = None, *, needs_threads: bool = True,
+               record: bool = True) -> None:
     """Entry point shared by ``python -m stages.<stage> <scene>``.
 
     Exit status: 0 done, 2 a bad input or setting (the message says which and how to fix it), 3 not started
     because another run writes in this checkout (the message names it), 143 stopped by SIGTERM or Ctrl-C (partial
-    work kept where the stage has any, e.g. train's checkpoint; rerun to continue), 1 a bug.
+    work kept where the stage has any, e.g. train's checkpoint; rerun to continue), 1 a bug. ``record=False``: the
+    stage checks the tracking store like the others but opens no MLflow run (the settings stage, which runs in
+    every repro, would otherwise make a run of every no-op ``dvc repro``).
     """
     stop.install()  # SIGTERM and Ctrl-C from here on are a clean stop (exit 143), also while numba/torch load
     parser = argparse.ArgumentParser(prog=f"python -m stages.{stage}", description=f"splatflow {stage} stage")
@@ -119,7 +127,7 @@ def stage_main(stage: str, run: RunFn, argv: list[str] | None = None, *, needs_t
 
     t0 = time.perf_counter()
     try:
-        with _tracking(stage, args.scene, params, paths) as tracker:
+        with _tracking(stage, args.scene, params, paths, record) as tracker:
             _drill_hold(stage, args.scene)
             metrics = run(params, paths)
             metrics = dict(metrics or {})
@@ -131,7 +139,7 @@ def stage_main(stage: str, run: RunFn, argv: list[str] | None = None, *, needs_t
     except (UserError, ConfigError) as e:
         fail(f"\nsplatflow {stage} [{args.scene}] failed: {e}", getattr(e, "exit_code", 2))
     except stop.StageStopped as e:
-        print(f"\nsplatflow {stage} [{args.scene}] stopped: {e}", file=sys.stderr)
+        print(f"\nsplatflow {stage} [{args.scene}] stopped: {e}; {_resume_hint(args.scene)}", file=sys.stderr)
         raise SystemExit(stop.STOP_EXIT_CODE) from None
     except Exception as e:
         if not stop.requested():
@@ -139,7 +147,7 @@ def stage_main(stage: str, run: RunFn, argv: list[str] | None = None, *, needs_t
         # The stop was raised inside a callback from native code (numba's dispatcher, for one), which wrapped it
         # in an error of its own: it is still the stop, not a failure.
         print(f"\nsplatflow {stage} [{args.scene}] stopped: stopped by {stop.label().upper()} (surfaced as "
-              f"{type(e).__name__})", file=sys.stderr)
+              f"{type(e).__name__}); {_resume_hint(args.scene)}", file=sys.stderr)
         raise SystemExit(stop.STOP_EXIT_CODE) from None
     print(f"splatflow {stage} [{args.scene}]: done in {time.perf_counter() - t0:.1f} s "
           f"-> {paths.metrics_json(stage)}")

@@ -47,15 +47,37 @@ def test_add_scene_folder_keeps_comments_and_validates(project):
 
 
 def test_add_scene_video_and_bad_inputs(project):
-    video = project / "walk.mp4"
-    video.write_bytes(b"\x00")
-    assert CliRunner().invoke(app, ["add-scene", "walk", str(video)]).exit_code == 0
-    assert load_params(project / "params.yaml").scene("walk").source == "walk.mp4"
+    """A file is a video when OpenCV opens it and decodes a frame, as ingest will: a camera's .mts (and a video
+    under a suffix no list has) is taken, and ingest reads the same file; a .mp4 that does not decode is not."""
+    from splatflow.config import IngestConfig
+    from splatflow.scene.ingest import ingest
+    from tests.test_ingest import _write_video
 
+    for name in ("clip.mts", "clip.vid"):
+        video = project / name
+        written = video if name.endswith(".mts") else project / "clip.avi"  # OpenCV writes no .vid: rename one
+        _write_video(written, n_frames=24, sharp_every=4, sharp_offset=1)
+        written.rename(video)
+        scene = name.replace(".", "_")
+        r = CliRunner().invoke(app, ["add-scene", scene, str(video)])
+        assert r.exit_code == 0, r.output
+        assert load_params(project / "params.yaml").scene(scene).source == name
+        result = ingest(video, project / "data" / scene / "images", IngestConfig(video_frames=6), progress=False)
+        assert result.source_kind == "video" and len(result.kept) >= 3
+
+    broken = project / "walk.mp4"
+    broken.write_bytes(b"\x00" * 64)
+    r = CliRunner().invoke(app, ["add-scene", "walk", str(broken)])
+    assert r.exit_code == 2 and "walk.mp4: OpenCV cannot open this video" in r.output and "ffmpeg" in r.output
     notes = project / "notes.txt"
     notes.write_text("hello")
     r = CliRunner().invoke(app, ["add-scene", "notes", str(notes)])
-    assert r.exit_code == 2 and "not a video" in r.output
+    assert r.exit_code == 2 and "not a video OpenCV can open" in " ".join(r.output.split()), r.output
+    assert ".mts" in r.output  # the formats known by suffix are listed
+    photo = project / "one.jpg"
+    photo.write_bytes(b"\xff\xd8\xff")
+    r = CliRunner().invoke(app, ["add-scene", "one", str(photo)])
+    assert r.exit_code == 2 and "single image" in r.output
     r = CliRunner().invoke(app, ["add-scene", "ghost", str(project / "missing")])
     assert r.exit_code == 2 and "does not exist" in r.output
     r = CliRunner().invoke(app, ["add-scene", "bad name", str(project)])

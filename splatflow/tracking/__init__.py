@@ -49,20 +49,20 @@ from splatflow.tracking.metadata import (ARTIFACT_DIR_NAMES, ARTIFACT_SUFFIXES, 
 from splatflow.tracking.runs import (STOPPED_EXCEPTIONS, SceneRun, batch_run, child_runs, compare, create_scene_run,
                                      dvc_ancestor, finalize_scene_run, finished_scene_run, is_dvc_cmd, latest_runs,
                                      pid_alive, reap, scene_run, state_file, status_for)
-from splatflow.tracking.stage import StageTracker, log_stage, open_run, stage_tracking
+from splatflow.tracking.stage import StageTracker, log_stage, open_run, preflight, stage_tracking
 from splatflow.tracking.steps import STEP_FLUSH_ROWS, STEP_FLUSH_SECONDS, StepLogger, flush_all, step_logger
 from splatflow.tracking.store import (DEFAULT_EXPERIMENT, DEFAULT_UI_URL, EXPERIMENT_KIND, EXPERIMENT_KIND_TAG,
-                                      client, enabled, experiment_id, log_batch, repo_root, run_ui_url,
-                                      tracking_uri)
+                                      TrackingUnreachable, check_reachable, client, enabled, experiment_id,
+                                      log_batch, repo_root, run_ui_url, store_problem, tracking_uri)
 
 __all__ = [
     "ARTIFACT_DIR_NAMES", "ARTIFACT_SUFFIXES", "DEFAULT_EXPERIMENT", "DEFAULT_UI_URL", "EXPERIMENT_KIND",
     "EXPERIMENT_KIND_TAG", "MAX_ARTIFACT_BYTES", "MAX_DIR_FILES", "STEP_FLUSH_ROWS", "STEP_FLUSH_SECONDS",
-    "STOPPED_EXCEPTIONS", "SceneRun", "StageTracker", "StepLogger", "artifact_files", "backend_tags", "batch_run",
-    "child_runs", "client", "compare", "create_scene_run", "device_tags", "dvc_ancestor", "dvc_exp_tags",
-    "dvc_lock_tags", "enabled", "experiment_id", "finalize_scene_run", "finished_scene_run", "flatten_params",
-    "flush_all", "git_tags", "is_dvc_cmd", "latest_runs", "log_batch", "log_files", "log_stage", "log_train_plot",
-    "numeric_metrics", "open_run", "pid_alive", "process_tags", "reap", "repo_root", "run_ui_url", "scene_metrics",
-    "scene_run", "stage_files", "stage_sections", "stage_tracking", "state_file", "status_for", "step_logger",
-    "tracking_uri",
+    "STOPPED_EXCEPTIONS", "SceneRun", "StageTracker", "StepLogger", "TrackingUnreachable", "artifact_files",
+    "backend_tags", "batch_run", "check_reachable", "child_runs", "client", "compare", "create_scene_run",
+    "device_tags", "dvc_ancestor", "dvc_exp_tags", "dvc_lock_tags", "enabled", "experiment_id",
+    "finalize_scene_run", "finished_scene_run", "flatten_params", "flush_all", "git_tags", "is_dvc_cmd",
+    "latest_runs", "log_batch", "log_files", "log_stage", "log_train_plot", "numeric_metrics", "open_run",
+    "pid_alive", "preflight", "process_tags", "reap", "repo_root", "run_ui_url", "scene_metrics", "scene_run", "stage_files",
+    "stage_sections", "stage_tracking", "state_file", "status_for", "step_logger", "store_problem", "tracking_uri",
 ]

@@ -15,7 +15,8 @@ from typing import Any, Iterable, Iterator
 
 from splatflow.tracking.metadata import (artifact_files, dvc_exp_tags, dvc_lock_tags, flatten_params, git_tags,
                                          log_files, log_train_plot, process_tags, scene_metrics)
-from splatflow.tracking.store import client, enabled, experiment_id, log_batch, run_ui_url, tracking_uri
+from splatflow.tracking.store import (check_reachable, client, enabled, experiment_id, log_batch, run_ui_url,
+                                      tracking_uri)
 
 
 def state_file(root: Path, scene: str) -> Path:
@@ -185,6 +186,7 @@ def scene_run(scene: str, root: str | Path, *, stages: Iterable[str] = (), param
     uri = uri or tracking_uri(root)
     run = SceneRun(scene, root, uri, stages=list(stages))
     if enabled():
+        check_reachable(uri)  # a dead server: stop in seconds, naming it, before any stage starts
         run.client = client(uri)
         run.run_id = create_scene_run(run.client, scene, root, params, uri=uri, parent_run_id=parent_run_id,
                                       run_name=run_name, tags=tags, seed_metrics=seed_metrics)
@@ -227,6 +229,7 @@ def batch_run(root: str | Path, *, name: str, tags: dict | None = None, params: 
     uri = uri or tracking_uri(root)
     run = SceneRun("", root, uri, finalize=False)
     if enabled():
+        check_reachable(uri)
         run.client = client(uri)
         exp = experiment_id(run.client, uri=uri)
         created = run.client.create_run(exp, run_name=name, tags={**(tags or {}), **process_tags()})

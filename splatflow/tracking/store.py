@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from splatflow.orchestrate.servers import MLFLOW_PORT
+from splatflow.errors import UserError
 
 DEFAULT_EXPERIMENT = "splatflow"
 
@@ -39,6 +40,90 @@ def tracking_uri(root: str | Path | None = None) -> str:
 def _quiet_mlflow_env() -> None:
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
+    # MLflow's own HTTP defaults (7 retries, exponential backoff, 120 s per request) turned a server that went
+    # away into minutes of waiting per call; a few seconds of retries cover a server restarting.
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
+
+
+#: How long the reachability check waits for a tracking server's answer (one request, no retries).
+REACH_TIMEOUT_S = 3.0
+
+
+class TrackingUnreachable(UserError):
+    """The tracking server does not answer: the pipeline stops before any work, naming the URL and the fix."""
+
+
+def _sqlite_path(uri: str) -> Path | None:
+    return Path(uri[len("sqlite:///"):]) if uri.startswith("sqlite:///") else None
+
+
+def check_reachable(uri: str | None = None, timeout_s: float = REACH_TIMEOUT_S) -> None:
+    """One quick request to an http(s) tracking server's ``/health`` (no retries): raise
+    :class:`TrackingUnreachable` when nothing answers within ``timeout_s``, so a pipeline run stops in seconds
+    instead of spending minutes in MLflow's HTTP retries in every stage. Other stores (a local database) pass.
+
+    A SIGTERM while it waits ends the wait at once where the stop handler raises (the stage shell outside its
+    cooperative blocks): the socket call is interrupted, not resumed."""
+    import http.client
+    import urllib.error
+    import urllib.request
+
+    uri = uri or tracking_uri()
+    if not uri.startswith(("http://", "https://")):
+        return
+    url = uri.rstrip("/") + "/health"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:  # noqa: S310 - the user's own tracking URI
+            r.read(64)
+        return
+    except urllib.error.HTTPError as e:
+        if e.code < 500:  # it answers (a proxy or an auth layer in front of it may say no to /health): usable
+            return
+        why = f"it answers HTTP {e.code}"
+    except (OSError, http.client.HTTPException) as e:  # refused, timed out, reset, not HTTP at all
+        reason = getattr(e, "reason", e)
+        why = "no answer within {:g} s".format(timeout_s) if "timed out" in str(reason) else str(reason)
+    raise TrackingUnreachable(
+        f"the MLflow tracking server at {uri} is not answering ({why}): start it (`splatflow ui` serves one on "
+        f"{DEFAULT_UI_URL}), or record locally with `export MLFLOW_TRACKING_URI=sqlite:///mlflow.db` (or run "
+        f"without recording: SPLATFLOW_TRACKING=off). Stopped before any work.")
+
+
+def store_problem(uri: str | None = None) -> str | None:
+    """Why a local tracking database cannot be used, in one line naming the file and the fix, or None.
+
+    A damaged ``mlflow.db`` (a disk that filled up, a copy cut short, another file under that name) made every stage
+    print a Python warning with an SQL statement in it; read here first, it is one line per pipeline run and the
+    stages run untracked."""
+    import sqlite3
+
+    uri = uri or tracking_uri()
+    path = _sqlite_path(uri)
+    if path is None or not path.exists():
+        return None
+    # The header and the schema only (milliseconds): a whole-file integrity check would read every page of a
+    # database that grows with every logged step. Damage deeper in is met by MLflow, and reported in one line too.
+    bad = None
+    try:
+        with open(path, "rb") as f:
+            head = f.read(16)
+        if head and head != b"SQLite format 3\x00":
+            bad = "it does not start with SQLite's header"
+        else:
+            con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10)
+            try:
+                con.execute("SELECT count(*) FROM sqlite_master").fetchone()
+            finally:
+                con.close()
+    except (OSError, sqlite3.Error) as e:
+        bad = str(e)
+    if bad:
+        return (f"tracking is off for this run: {path} is not a readable MLflow database ({bad}); move it aside "
+                f"(`mv {path} {path}.damaged`) and the next run starts a new one; the results themselves are in "
+                f"metrics/ and DVC, untouched")
+    return None
 
 
 def client(uri: str | None = None):
