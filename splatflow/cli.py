@@ -94,7 +94,7 @@ def add_scene(
     if not path.exists():
         raise UserError(f"{path} does not exist; give a folder of images or a video file")
     if path.is_file():
-        from splatflow.scene.video import check_video_source
+        from splatflow.scene.video import check_video_source  # lazy: OpenCV loads only for a video source
 
         check_video_source(path)  # ingest's own test: opened and a frame decoded, whatever the suffix
     if not name or not all(c.isascii() and (c.isalnum() or c in "-_") for c in name):
@@ -191,7 +191,7 @@ def run(
         params.scene(s)  # an unknown scene: a ConfigError naming `splatflow add-scene`
 
     check_sources(root, scenes)  # a capture that is not there: say so before DVC removes the scene's outputs
-    from splatflow import tracking
+    from splatflow import tracking  # lazy: MLflow loads only for the commands that record runs
 
     extra_env = {}
     if tracking.enabled():  # once per run, before DVC: a dead server stops here in seconds (exit 2)

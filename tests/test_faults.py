@@ -124,7 +124,9 @@ def test_sigterm_during_the_reachability_wait_stops_the_stage_at_once(proj):
             stage.kill()
             out, err = stage.communicate()
     assert rc == 143, err
-    assert seconds < 1.0, f"exited {seconds:.2f} s after SIGTERM"
+    # 0.14 s on an idle machine; the bound leaves room for a loaded one and still catches the minutes a stage used
+    # to spend in MLflow's HTTP retries before it looked at the signal
+    assert seconds < 3.0, f"exited {seconds:.2f} s after SIGTERM"
     assert f"settings [{SCENE}] stopped: stopped by SIGTERM" in err, err
     assert f"`splatflow run {SCENE}` continues from here" in _flat(err), err
 

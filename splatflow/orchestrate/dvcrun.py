@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from splatflow.errors import UserError
+from splatflow.scene_settings import missing_source
 
 VENV_BIN = Path(sys.executable).parent
 #: DVC's message when another dvc process holds the workspace lock: the one failure a retry can fix.
@@ -131,8 +132,6 @@ def check_sources(root: str | Path, scenes: list[str]) -> None:
         entries = (yaml.safe_load((root / "params.yaml").read_text()) or {}).get("base", {}).get("scenes", {})
     except (OSError, yaml.YAMLError, AttributeError):
         return
-    from splatflow.scene_settings import missing_source
-
     problems = []
     for scene in scenes:
         src = (entries.get(scene) or {}).get("source") if isinstance(entries, dict) else None

@@ -12,6 +12,9 @@ import numpy as np
 
 from splatflow.errors import UserError
 
+# Still-image files a capture folder may hold (ingest reads them; a video source must not be one of them)
+IMAGE_FILE_SUFFIXES = {".jpg", ".jpeg", ".png", ".tif", ".tiff", ".bmp", ".webp", ".heic", ".heif"}
+
 
 def read_rgb(path: str | Path) -> np.ndarray:
     """``[H, W, 3]`` uint8 RGB; UserError naming the file if it cannot be decoded."""

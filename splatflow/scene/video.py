@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from splatflow.errors import UserError
 from splatflow.scene.imagehash import sharpness
+from splatflow.scene.pixels import IMAGE_FILE_SUFFIXES
 
 #: Video containers known by suffix: named in messages and used to word them; whether a file is a usable video is
 #: decided by opening it (:func:`check_video_source`).
@@ -57,8 +58,6 @@ def check_video_source(path: Path) -> dict:
 
     Raises UserError naming the file and the fix: a single photo (put photos in a folder), a file OpenCV cannot
     open (listing the video formats known by suffix), or a video of 0 decodable frames (AV1, a damaged file)."""
-    from splatflow.scene.ingest import IMAGE_FILE_SUFFIXES  # (ingest imports this module)
-
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix in IMAGE_FILE_SUFFIXES:
