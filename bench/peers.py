@@ -21,23 +21,10 @@ PINHOLE = 1  # COLMAP's camera model id
 
 
 def rotation_to_quaternion(R: np.ndarray) -> np.ndarray:
-    """``[w, x, y, z]`` (COLMAP's order, w >= 0) of a 3x3 rotation matrix."""
-    R = np.asarray(R, dtype=np.float64)
-    t = np.trace(R)
-    if t > 0:
-        s = 2.0 * np.sqrt(t + 1.0)
-        q = [0.25 * s, (R[2, 1] - R[1, 2]) / s, (R[0, 2] - R[2, 0]) / s, (R[1, 0] - R[0, 1]) / s]
-    elif R[0, 0] > R[1, 1] and R[0, 0] > R[2, 2]:
-        s = 2.0 * np.sqrt(1.0 + R[0, 0] - R[1, 1] - R[2, 2])
-        q = [(R[2, 1] - R[1, 2]) / s, 0.25 * s, (R[0, 1] + R[1, 0]) / s, (R[0, 2] + R[2, 0]) / s]
-    elif R[1, 1] > R[2, 2]:
-        s = 2.0 * np.sqrt(1.0 + R[1, 1] - R[0, 0] - R[2, 2])
-        q = [(R[0, 2] - R[2, 0]) / s, (R[0, 1] + R[1, 0]) / s, 0.25 * s, (R[1, 2] + R[2, 1]) / s]
-    else:
-        s = 2.0 * np.sqrt(1.0 + R[2, 2] - R[0, 0] - R[1, 1])
-        q = [(R[1, 0] - R[0, 1]) / s, (R[0, 2] + R[2, 0]) / s, (R[1, 2] + R[2, 1]) / s, 0.25 * s]
-    q = np.asarray(q) / np.linalg.norm(q)
-    return -q if q[0] < 0 else q
+    """``[w, x, y, z]`` (COLMAP's order, w >= 0) of a 3x3 rotation matrix (the synthetic scene writer's)."""
+    from splatflow.scene.synthetic import _rotmat_to_qvec
+
+    return _rotmat_to_qvec(np.asarray(R, dtype=np.float64))
 
 
 def write_colmap_project(scene, out: Path) -> Path:
