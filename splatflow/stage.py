@@ -128,7 +128,8 @@ def stage_main(stage: str, run: RunFn, argv: list[str] | None = None, *, needs_t
     t0 = time.perf_counter()
     try:
         with _tracking(stage, args.scene, params, paths, record) as tracker:
-            _drill_hold(stage, args.scene)
+            if record:  # a drill stops a stage with its run open; the settings stage (no run) never holds
+                _drill_hold(stage, args.scene)
             metrics = run(params, paths)
             metrics = dict(metrics or {})
             metrics.setdefault("stage_seconds", round(time.perf_counter() - t0, 3))
