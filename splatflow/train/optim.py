@@ -21,7 +21,13 @@ def make_optimizers(params: dict[str, torch.nn.Parameter], lrs: dict[str, float]
 
 
 def step(optimizers: dict[str, torch.optim.Adam]) -> None:
-    """Plain Adam on every group, then drop the gradients."""
+    """Plain Adam on every group, then drop the gradients. On a GPU with Triton all groups are stepped in one
+    launch (:mod:`.multi_adam`: same update, same state); elsewhere, the CPU always, torch's fused Adam per group."""
+    from splatflow.train import multi_adam
+
+    if multi_adam.steppable(optimizers):
+        multi_adam.step(optimizers)
+        return
     for opt in optimizers.values():
         opt.step()
         opt.zero_grad(set_to_none=True)
