@@ -108,7 +108,8 @@ def l1_ssim(x: Tensor, y: Tensor, blur_sigma: float = 0.0) -> tuple[Tensor, Tens
     """``(mean |x - y|, mean SSIM)`` of two ``[B, C, H, W]`` batches, both differentiable: the two terms of the
     training loss. With ``blur_sigma`` (px) both images are first blurred by the training blur (see
     :func:`splatflow.render.blur.gaussian_blur`). On CPU tensors the kernels compute blur, both terms and
-    their gradients in two passes forward and one backward; elsewhere torch ops."""
+    their gradients in two passes forward and one backward; on a GPU with Triton the kernels of
+    :mod:`.ssim_triton` (the target without a gradient); elsewhere torch ops."""
     if x.shape != y.shape or x.dim() != 4:
         raise ValueError(f"l1_ssim needs two [B, C, H, W] tensors of one shape, got {tuple(x.shape)} and "
                          f"{tuple(y.shape)}")
@@ -126,6 +127,10 @@ def l1_ssim(x: Tensor, y: Tensor, blur_sigma: float = 0.0) -> tuple[Tensor, Tens
         from splatflow.render.blur import gaussian_blur_pair
 
         x, y = gaussian_blur_pair(x, y, blur_sigma)
+    from . import ssim_triton
+
+    if ssim_triton.available(x.device) and x.dtype == torch.float32 and not y.requires_grad:
+        return ssim_triton.fused_l1_ssim(x, y)  # a GPU with Triton: six launches instead of some forty
     return (x - y).abs().mean(), _SSIM.apply(x.contiguous(), y.contiguous())
 
 
