@@ -22,6 +22,8 @@ mkdir -p "$out"
 py=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 work=${GPU_WORK:-/tmp/splatflow_gpu_bench}
 export OMP_WAIT_POLICY=PASSIVE PYTHONUNBUFFERED=1 SPLATFLOW_TRACKING=off
+# the Triton Adam and loss kernels are opt-in until a GPU run has checked them: this script is that run
+export SPLATFLOW_TRITON=${SPLATFLOW_TRITON:-1}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$($py -c \
   "import torch; print('%d.%d' % torch.cuda.get_device_capability())" 2>/dev/null || echo "")}

@@ -36,10 +36,14 @@ _ZERO: dict = {}  # a zero found_inf flag per device, for steps without deferred
 
 def available(device: torch.device) -> bool:
     """Whether the one-launch Adam can step tensors on ``device``: Triton importable, and a CUDA device (or any
-    device under ``TRITON_INTERPRET=1``, Triton's CPU interpreter: tests)."""
+    device under ``TRITON_INTERPRET=1``, Triton's CPU interpreter: tests). On CUDA only with
+    ``SPLATFLOW_TRITON=1`` for now: the compiled kernel has not run on a GPU yet."""
     if triton is None:
         return False
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return True
+    # opt-in until a GPU run has checked the compiled kernels (bench/gpu_check.sh sets it)
+    return device.type == "cuda" and os.environ.get("SPLATFLOW_TRITON") == "1"
 
 
 if triton is not None:
