@@ -52,7 +52,7 @@ def check_checkout(path: str | Path) -> Path:
     root = Path(path).expanduser().resolve()
     if not root.is_dir():
         raise PeerError(f"--peer-gsplat {path}: no such folder; pass the root of a gsplat git checkout "
-                        "(git clone https://github.com/nerfstudio-project/gsplat)")
+                        "(a clone of the nerfstudio-project/gsplat repository)")
     for rel in (PEER_SCRIPT, PEER_PARSER):
         if not (root / rel).is_file():
             raise PeerError(f"--peer-gsplat {path}: {rel} is missing; pass the root of a gsplat checkout (the folder "
