@@ -136,15 +136,14 @@ def removal_scores(splats: Splats, sh_degree: int, cameras: Sequence[Camera],
     does is left to the re-scored rounds and the recovery fine-tune (:func:`splatflow.prune.prune_phases`).
     ``targets`` is indexed view by view, so it may decode on demand (:class:`splatflow.prune.CachedImages`).
 
-    This score runs on the CPU kernels whatever the run's device: it needs, per pixel, every Gaussian's
-    contribution and the colour composited behind it, which only our numba backward exposes (gsplat's CUDA
-    backward sums them into gradients). On a GPU run the splats are copied to the host for scoring; the recovery
-    fine-tune and the validation renders stay on the GPU.
+    It needs, per pixel, every Gaussian's contribution and the colour composited behind it, which gsplat's CUDA
+    backward sums into gradients: CPU splats are scored by our numba backward, splats on a GPU where they are by
+    the same score in torch (:mod:`splatflow.render.score_torch`). Returns float64 on the splats' device.
     """
-    # the removal kernels are the CPU ones (see above); SH as stored, so no view copies the [N, K, 3] bands
-    a = Splats.of(splats).to("cpu").activated(sh_degree, sh_pair=True)
+    # SH as stored, so no view copies the [N, K, 3] bands; scored on the splats' device (removal_loss dispatches)
+    a = Splats.of(splats).activated(sh_degree, sh_pair=True)
     n = a.means.shape[0]
-    total = torch.zeros(n, dtype=torch.float64, device="cpu")
+    total = torch.zeros(n, dtype=torch.float64, device=a.means.device)
     for i in tqdm(range(len(cameras)), desc="removal cost", disable=not progress, leave=False):
         cam, tgt = cameras[i], targets[i]
         viewmat = torch.as_tensor(cam.world_to_cam, dtype=torch.float32, device="cpu")[None]  # [1, 4, 4]

@@ -28,6 +28,7 @@ from .constants import TILE  # noqa: E402
 from .cpu import project_cpu, rasterize_cpu, removal_loss_cpu  # noqa: E402
 from .oracle import rasterize_oracle  # noqa: E402
 from .projection import gaussian_colors, project_gaussians, tile_grid  # noqa: E402
+from .score_torch import removal_loss_torch  # noqa: E402
 from .threads import configure_threads  # noqa: E402
 
 __all__ = ["rasterize", "removal_loss", "resolve_backend", "configure_threads", "warmup", "CudaUnavailableError",
@@ -235,15 +236,24 @@ def rasterize(
 @torch.no_grad()
 def removal_loss(means: Tensor, quats: Tensor, scales: Tensor, opacities: Tensor, colors: Tensor, viewmats: Tensor,
                  Ks: Tensor, width: int, height: int, *, sh_degree: int, target: Tensor | None = None,
-                 near_plane: float = 0.01, far_plane: float = 1e10, eps2d: float = 0.3) -> tuple[Tensor, Tensor]:
+                 near_plane: float = 0.01, far_plane: float = 1e10, eps2d: float = 0.3,
+                 backend: str = "auto") -> tuple[Tensor, Tensor]:
     """For every Gaussian, how much the squared error of C views would grow if it ALONE were removed.
 
     Inputs as :func:`rasterize` (SH colours ``[N, K, 3]`` or the pair ``(sh0, shN)``); ``target``
     ``[C, H, W, 3]`` (the render itself when None, giving the pure removal energy). Returns ``(render [C, H, W, 3], increase [C, N])`` in squared
     [0, 1] units summed over pixels and channels; see :func:`splatflow.render.cpu.removal_loss_cpu`. Exact for
-    single removals (each pixel is affine in one Gaussian's alpha), computed by the CPU kernels whatever the
-    machine (there is no GPU version; pruning calls it a few times per phase, not per training step).
+    single removals (each pixel is affine in one Gaussian's alpha). ``backend``: ``"cpu"`` (the CPU kernels,
+    inputs copied to the host), ``"torch"`` (:func:`.score_torch.removal_loss_torch`, the same score in torch on
+    the inputs' device) or ``"auto"``: the CPU kernels for CPU tensors, torch for any other device (a GPU run's
+    splats are scored where they are).
     """
+    if backend not in ("auto", "cpu", "torch"):
+        raise ValueError(f"removal_loss backend must be 'auto', 'cpu' or 'torch', got {backend!r}")
+    if backend == "torch" or (backend == "auto" and means.device.type != "cpu"):
+        return removal_loss_torch(means, quats, scales, opacities, colors, viewmats, Ks, width, height,
+                                  sh_degree=sh_degree, target=target, near_plane=near_plane, far_plane=far_plane,
+                                  eps2d=eps2d)
     dev = means.device
     a = [t.detach().cpu() for t in (means, quats, scales, opacities, viewmats, Ks)]
     sh = tuple(c.detach().cpu() for c in colors) if isinstance(colors, (tuple, list)) else colors.detach().cpu()

@@ -25,20 +25,10 @@ from torch import Tensor
 
 # the module, not its functions: the CPU kernels are looked up at the call (tests replace them to prove a path)
 from splatflow.render import filters
+from splatflow.render import ssim_triton
 from splatflow.render.blur import gaussian_blur_pair
+from splatflow.render.ssim_window import C1, C2, SIGMA, WINDOW, gaussian_window_1d  # noqa: F401 (re-exported)
 
-WINDOW = 11
-SIGMA = 1.5
-C1 = 0.01**2
-C2 = 0.03**2
-
-
-def gaussian_window_1d(size: int = WINDOW, sigma: float = SIGMA, dtype: torch.dtype = torch.float32,
-                       device: torch.device | str = "cpu") -> Tensor:
-    """Normalised 1-D Gaussian taps [size] (the 3DGS ``gaussian(window_size, 1.5)``) on ``device``."""
-    x = torch.arange(size, dtype=torch.float64, device=device) - size // 2
-    g = torch.exp(-(x * x) / (2.0 * sigma * sigma))
-    return (g / g.sum()).to(dtype)
 
 
 def _blur(x: Tensor) -> Tensor:
@@ -110,7 +100,8 @@ def l1_ssim(x: Tensor, y: Tensor, blur_sigma: float = 0.0) -> tuple[Tensor, Tens
     """``(mean |x - y|, mean SSIM)`` of two ``[B, C, H, W]`` batches, both differentiable: the two terms of the
     training loss. With ``blur_sigma`` (px) both images are first blurred by the training blur (see
     :func:`splatflow.render.blur.gaussian_blur`). On CPU tensors the kernels compute blur, both terms and
-    their gradients in two passes forward and one backward; elsewhere torch ops."""
+    their gradients in two passes forward and one backward; on a GPU with Triton the kernels of
+    :mod:`.ssim_triton` (the target without a gradient); elsewhere torch ops."""
     if x.shape != y.shape or x.dim() != 4:
         raise ValueError(f"l1_ssim needs two [B, C, H, W] tensors of one shape, got {tuple(x.shape)} and "
                          f"{tuple(y.shape)}")
@@ -124,6 +115,8 @@ def l1_ssim(x: Tensor, y: Tensor, blur_sigma: float = 0.0) -> tuple[Tensor, Tens
         return l1, s
     if blur:  # the torch blur for other devices lives with the schedule that drives it
         x, y = gaussian_blur_pair(x, y, blur_sigma)
+    if ssim_triton.available(x.device) and x.dtype == torch.float32 and not y.requires_grad:
+        return ssim_triton.fused_l1_ssim(x, y)  # a GPU with Triton: six launches instead of some forty
     return (x - y).abs().mean(), _SSIM.apply(x.contiguous(), y.contiguous())
 
 

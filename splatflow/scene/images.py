@@ -103,7 +103,12 @@ class ImageCache:
         arr = self._get_u8(i, factor)
         v = self.views[i]
         h, w = arr.shape[:2]
-        img = torch.from_numpy(_crop(arr, window)).to(device).float().mul_(1.0 / 255.0)  # [H, W, 3] or [h, w, 3]
+        src = torch.from_numpy(_crop(arr, window))
+        if torch.device(device).type == "cuda":
+            # from pinned memory (torch's caching host allocator) and asynchronous: a copy from pageable memory
+            # waits until the GPU has run everything queued, so the host could not prepare the next step meanwhile
+            src = src.contiguous().pin_memory().to(device, non_blocking=True)
+        img = src.to(device).float().mul_(1.0 / 255.0)  # [H, W, 3] or [h, w, 3]
         return img, scale_intrinsics(v.K, v.width, v.height, w, h)
 
 

@@ -130,6 +130,7 @@ class Trainer:
         self.rng = RunRNG(seed, self.device)  # this run's own generators, lent to the global ones per step
         self.viewmats = [torch.as_tensor(np.asarray(v.world_to_cam, dtype=np.float32), device=self.device)
                          for v in self.views]  # [4, 4] each
+        self._k_cache: dict[tuple[int, float], torch.Tensor] = {}  # (view, level factor) -> K [3, 3] on the device
         self.scene_scale = scene_scale(np.stack([v.world_to_cam for v in self.views]))  # training cameras only
         self.sched = schedules or Schedules.from_config(cfg, self.scene_scale)
         # CPU: rows in Morton order of position, kept so after every densification event (splatflow.train.rows);
@@ -204,7 +205,9 @@ class Trainer:
         # only the window's pixels are converted and uploaded; K is the whole level's
         target, K = self.cache.get(i, factor, device=self.device, window=win)
         mask = self.cache.mask(i, factor, window=win)  # [H, W] bool keep-mask, None without masks
-        Kt = torch.as_tensor(K, dtype=torch.float32, device=self.device)  # [3, 3]
+        Kt = self._k_cache.get((i, factor))  # [3, 3]: uploaded once per view and level (an upload waits for the GPU)
+        if Kt is None:
+            Kt = self._k_cache[(i, factor)] = torch.as_tensor(K, dtype=torch.float32, device=self.device)
         src, rows = self.params, None
         if sparse:
             rows = candidates(self.params, self.viewmats[i], Kt, w, h, win)  # [n] int64
