@@ -2,7 +2,8 @@
 
 No GPU here: Triton's interpreter (``TRITON_INTERPRET=1``) runs the kernel on CPU tensors. The tests need Triton
 installed (torch's CUDA builds ship it; on a CPU install ``pip install triton``) and skip without it. Each test runs
-in a fresh interpreter process, because Triton reads ``TRITON_INTERPRET`` when it is imported.
+in a fresh interpreter process, because Triton reads ``TRITON_INTERPRET`` when it is imported. The test extras
+install Triton on x86-64 Linux, so CI runs them.
 """
 
 from __future__ import annotations

@@ -88,13 +88,14 @@ if triton is not None:
         h = row % H
         cols = cb * BW + tl.arange(0, BW)
         om = cols < W
+        hb = tl.zeros([BW], dtype=tl.int64) + h
         mx = tl.zeros([BW], dtype=tl.float32)
         my = tl.zeros([BW], dtype=tl.float32)
         exx = tl.zeros([BW], dtype=tl.float32)
         eyy = tl.zeros([BW], dtype=tl.float32)
         exy = tl.zeros([BW], dtype=tl.float32)
         for k in tl.static_range(2 * R + 1):
-            hh = h + (k - R)
+            hh = hb + (k - R)  # a block, not a scalar: Triton's interpreter rejects a scalar-and-block mask
             m = om & (hh >= 0) & (hh < H)
             off = (plane * H + hh) * W + cols
             t = tl.load(taps_ptr + k)
@@ -152,11 +153,12 @@ if triton is not None:
         h = row % H
         cols = tl.program_id(1) * BW + tl.arange(0, BW)
         om = cols < W
+        hb = tl.zeros([BW], dtype=tl.int64) + h
         b0 = tl.zeros([BW], dtype=tl.float32)
         b1 = tl.zeros([BW], dtype=tl.float32)
         b2 = tl.zeros([BW], dtype=tl.float32)
         for k in tl.static_range(2 * R + 1):
-            hh = h + (k - R)
+            hh = hb + (k - R)  # a block, not a scalar: Triton's interpreter rejects a scalar-and-block mask
             m = om & (hh >= 0) & (hh < H)
             off = (plane * H + hh) * W + cols
             t = tl.load(taps_ptr + k)

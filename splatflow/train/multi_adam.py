@@ -31,7 +31,8 @@ except ImportError:  # pragma: no cover - depends on the install
 
 GROUPS = 6  # the kernel's fixed number of groups (the model's six tensors; fewer are padded with empty ones)
 BLOCK = 1024
-_ZERO: dict = {}  # a zero found_inf flag per device, for steps without deferred checks
+_ZERO: dict = {}
+_BETAS: dict = {}  # (device, beta1, beta2) -> the betas as float64 on the device  # a zero found_inf flag per device, for steps without deferred checks
 
 
 def available(device: torch.device) -> bool:
@@ -48,21 +49,28 @@ def available(device: torch.device) -> bool:
 
 if triton is not None:
     @triton.jit
-    def _adam_block(p_ptr, g_ptr, m_ptr, v_ptr, s_ptr, n, lr, blk, beta1, beta2, eps, BLOCK: tl.constexpr):
-        """torch's Adam (``_fused_adam_``, no weight decay, no amsgrad) on one block of one group."""
+    def _adam_block(p_ptr, g_ptr, m_ptr, v_ptr, s_ptr, n, lr, blk, beta2, omb1, omb2, eps, betas_ptr,
+                    BLOCK: tl.constexpr):
+        """torch's Adam (``_fused_adam_``, no weight decay, no amsgrad) on one block of one group. As torch, the
+        bias corrections are taken in float64 from the float64 betas (``betas_ptr``: beta2 = 0.999 in float32
+        would move ``1 - beta2**step`` by 1e-5 of itself), and ``1 - beta`` comes from the host's float64."""
         offs = blk * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
-        step = tl.load(s_ptr) + 1.0
-        bc1 = 1.0 - tl.exp2(step * tl.log2(beta1))
-        bc2_sqrt = tl.sqrt(1.0 - tl.exp2(step * tl.log2(beta2)))
+        step = tl.load(s_ptr).to(tl.float64) + 1.0
+        b1 = tl.load(betas_ptr)
+        b2 = tl.load(betas_ptr + 1)
+        bc1 = 1.0 - tl.exp2(step * tl.log2(b1))
+        bc2_sqrt = tl.sqrt(1.0 - tl.exp2(step * tl.log2(b2)))
+        step_size = (lr / bc1).to(tl.float32)
+        bc2s = bc2_sqrt.to(tl.float32)
         g = tl.load(g_ptr + offs, mask=mask, other=0.0)
         m = tl.load(m_ptr + offs, mask=mask, other=0.0)
         v = tl.load(v_ptr + offs, mask=mask, other=0.0)
         p = tl.load(p_ptr + offs, mask=mask, other=0.0)
-        m = m + (1.0 - beta1) * (g - m)  # lerp, as torch
-        v = beta2 * v + (1.0 - beta2) * g * g
-        denom = tl.sqrt(v) / bc2_sqrt + eps
-        p = p - (lr / bc1) * (m / denom)
+        m = m + omb1 * (g - m)  # lerp, as torch
+        v = beta2 * v + omb2 * g * g
+        denom = tl.sqrt(v) / bc2s + eps
+        p = p - step_size * (m / denom)
         tl.store(m_ptr + offs, m, mask=mask)
         tl.store(v_ptr + offs, v, mask=mask)
         tl.store(p_ptr + offs, p, mask=mask)
@@ -71,7 +79,7 @@ if triton is not None:
     def _multi_adam_kernel(p0, g0, m0, v0, s0, n0, lr0, p1, g1, m1, v1, s1, n1, lr1,
                            p2, g2, m2, v2, s2, n2, lr2, p3, g3, m3, v3, s3, n3, lr3,
                            p4, g4, m4, v4, s4, n4, lr4, p5, g5, m5, v5, s5, n5, lr5,
-                           found_inf_ptr, beta1, beta2, eps, BLOCK: tl.constexpr):
+                           found_inf_ptr, beta2, omb1, omb2, eps, betas_ptr, BLOCK: tl.constexpr):
         pid = tl.program_id(0)
         if tl.load(found_inf_ptr) == 0.0:
             e0 = tl.cdiv(n0, BLOCK)
@@ -80,17 +88,17 @@ if triton is not None:
             e3 = e2 + tl.cdiv(n3, BLOCK)
             e4 = e3 + tl.cdiv(n4, BLOCK)
             if pid < e0:
-                _adam_block(p0, g0, m0, v0, s0, n0, lr0, pid, beta1, beta2, eps, BLOCK)
+                _adam_block(p0, g0, m0, v0, s0, n0, lr0, pid, beta2, omb1, omb2, eps, betas_ptr, BLOCK)
             elif pid < e1:
-                _adam_block(p1, g1, m1, v1, s1, n1, lr1, pid - e0, beta1, beta2, eps, BLOCK)
+                _adam_block(p1, g1, m1, v1, s1, n1, lr1, pid - e0, beta2, omb1, omb2, eps, betas_ptr, BLOCK)
             elif pid < e2:
-                _adam_block(p2, g2, m2, v2, s2, n2, lr2, pid - e1, beta1, beta2, eps, BLOCK)
+                _adam_block(p2, g2, m2, v2, s2, n2, lr2, pid - e1, beta2, omb1, omb2, eps, betas_ptr, BLOCK)
             elif pid < e3:
-                _adam_block(p3, g3, m3, v3, s3, n3, lr3, pid - e2, beta1, beta2, eps, BLOCK)
+                _adam_block(p3, g3, m3, v3, s3, n3, lr3, pid - e2, beta2, omb1, omb2, eps, betas_ptr, BLOCK)
             elif pid < e4:
-                _adam_block(p4, g4, m4, v4, s4, n4, lr4, pid - e3, beta1, beta2, eps, BLOCK)
+                _adam_block(p4, g4, m4, v4, s4, n4, lr4, pid - e3, beta2, omb1, omb2, eps, betas_ptr, BLOCK)
             else:
-                _adam_block(p5, g5, m5, v5, s5, n5, lr5, pid - e4, beta1, beta2, eps, BLOCK)
+                _adam_block(p5, g5, m5, v5, s5, n5, lr5, pid - e4, beta2, omb1, omb2, eps, betas_ptr, BLOCK)
 
 
 def _state(opt: torch.optim.Adam, p: torch.Tensor) -> dict:
@@ -157,9 +165,13 @@ def step(optimizers: dict[str, torch.optim.Adam], found_inf: torch.Tensor | None
     for _ in range(GROUPS - len(opts)):  # empty groups: never reached (no blocks)
         args += args[:5] + [0, 0.0]
     beta1, beta2 = opts[0].param_groups[0]["betas"]
+    key = (dev, float(beta1), float(beta2))
+    betas = _BETAS.get(key)
+    if betas is None:  # float64 on the device, made once per device and betas
+        betas = _BETAS[key] = torch.tensor([beta1, beta2], dtype=torch.float64, device=dev)
     if blocks:
-        _multi_adam_kernel[(blocks,)](*args, flag, float(beta1), float(beta2),
-                                      float(opts[0].param_groups[0]["eps"]), BLOCK=BLOCK)
+        _multi_adam_kernel[(blocks,)](*args, flag, float(beta2), 1.0 - float(beta1), 1.0 - float(beta2),
+                                      float(opts[0].param_groups[0]["eps"]), betas, BLOCK=BLOCK)
     if found_inf is None:
         torch._foreach_add_(steps, 1.0)
     else:  # a skipped step does not count, as in torch's fused Adam
