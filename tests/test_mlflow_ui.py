@@ -1,0 +1,67 @@
+"""The MLflow links splatflow prints open on the work, seen in headless Chromium against a real `mlflow server`: the
+experiment's runs table in the model-training view with the scene and the headline metrics as columns, and a run's
+page in the same view -- not MLflow 3's GenAI pages (traces, judges, evaluation runs)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests import _chromium
+
+pytestmark = pytest.mark.skipif(_chromium.find() is None, reason=_chromium.SKIP_REASON)
+
+
+@pytest.fixture
+def mlflow_server(tmp_path, monkeypatch):
+    from splatflow.orchestrate import servers
+
+    ml = servers.start_mlflow(servers.free_port(), root=tmp_path, backend_uri=f"sqlite:///{tmp_path / 'ml.db'}",
+                              artifacts_dir=tmp_path / "artifacts", log_dir=tmp_path)
+    try:
+        ml.wait_healthy(300)
+        monkeypatch.setenv("SPLATFLOW_TRACKING", "on")
+        yield ml
+    finally:
+        ml.stop()
+
+
+def _text(dom: str) -> str:
+    return re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", dom))
+
+
+def test_experiment_link_opens_the_runs_table_with_headline_metric_columns(mlflow_server, tmp_path):
+    from splatflow import tracking
+
+    uri = mlflow_server.url
+    cl = tracking.client(uri)
+    exp = tracking.experiment_id(cl, uri=uri)
+    values = {"evaluate.psnr": 26.106, "evaluate.ssim": 0.7784, "evaluate.lpips_alex": 0.2468,
+              "evaluate.gaussians": 11981, "train.train_seconds": 30.8}
+    run = cl.create_run(exp, run_name="demo-first", tags={"splatflow.scene": "demo"})
+    for k, v in values.items():
+        cl.log_metric(run.info.run_id, k, v)
+    cl.log_metric(run.info.run_id, "evaluate.fps", 154.0)  # not a headline: no column of its own
+    cl.set_terminated(run.info.run_id, "FINISHED")
+
+    url = tracking.experiment_ui_url(exp, uri)
+    assert "workflowType=machine_learning" in url
+    shot = tmp_path / "runs.png"
+    dom = _chromium.dump_dom_until(url, lambda d: "demo-first" in d and "evaluate.psnr" in d, timeout_s=150,
+                                   size=(1600, 900))
+    text = _text(dom)
+    assert "demo-first" in text, text[-2000:]
+    for key in values:  # every headline metric is a column header of the runs table
+        assert key in text, (key, text[-3000:])
+    assert "26.106" in text and "11981" in text.replace(",", "")  # and its values are in the run's row
+    assert "evaluate.fps" not in text
+    assert "Detect issues" not in text and "Judges" not in text  # not the GenAI experiment page
+    img = _chromium.screenshot_until(url, shot, lambda im: im.std() > 10, timeout_s=60, size=(1600, 900))
+    assert img.std() > 10  # a drawn page, not a blank one
+
+    page = _chromium.dump_dom_until(tracking.run_ui_url(exp, run.info.run_id, uri),
+                                    lambda d: "demo-first" in d and "evaluate.psnr" in d, timeout_s=150)
+    text = _text(page)
+    assert "demo-first" in text and "evaluate.psnr" in text
+    assert "Evaluation runs" not in text and "Detect issues" not in text
