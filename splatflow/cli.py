@@ -236,7 +236,7 @@ def run(
     if rc != 0:
         raise typer.Exit(rc)
     for s in scenes:
-        typer.echo(f"\n{s}: metrics in metrics/{s}/ ; `dvc metrics show` to see them")
+        typer.echo(f"\n{s}: metrics in metrics/{s}/ ; `splatflow metrics {s}` shows them as a table")
 
 
 # The sub-apps: their commands keep the command lines they always had (`splatflow ui`, `splatflow runs reap`).

@@ -139,7 +139,8 @@ def write_compare_html(run_a: str, run_b: str, out: str | Path, uri: str | None 
 main{{max-width:1280px;margin:0 auto;padding:18px 22px 60px}}h2{{font-size:17px;border-bottom:1px solid #d8dde3}}
 table{{border-collapse:collapse;background:#fff}}th,td{{padding:3px 10px;border-bottom:1px solid #eceff2;
 text-align:left}}td{{font-variant-numeric:tabular-nums}}.up{{color:#1a7f37}}.down{{color:#c62828}}
-figure{{margin:0 0 14px}}img{{max-width:100%;border:1px solid #e1e5ea}}figcaption{{font-size:12px;color:#5b6670}}.note{{color:#8a5a00}}
+figure{{margin:0 0 14px}}img{{max-width:100%;border:1px solid #e1e5ea}}figcaption{{font-size:12px;color:#5b6670}}
+.note{{color:#8a5a00}}
 </style></head><body><main>
 <h1>splatflow compare</h1>
 <p>A = {html.escape(labels[0])} (scene {html.escape(str(scenes[0]))}), B = {html.escape(labels[1])}
