@@ -10,7 +10,7 @@ import pytest
 
 from tests import _chromium
 
-pytestmark = pytest.mark.skipif(_chromium.find() is None, reason=_chromium.SKIP_REASON)
+needs_chromium = pytest.mark.skipif(_chromium.find() is None, reason=_chromium.SKIP_REASON)
 
 
 @pytest.fixture
@@ -31,6 +31,7 @@ def _text(dom: str) -> str:
     return re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", dom))
 
 
+@needs_chromium
 def test_experiment_link_opens_the_runs_table_with_headline_metric_columns(mlflow_server, tmp_path):
     from splatflow import tracking
 
@@ -65,3 +66,26 @@ def test_experiment_link_opens_the_runs_table_with_headline_metric_columns(mlflo
     text = _text(page)
     assert "demo-first" in text and "evaluate.psnr" in text
     assert "Evaluation runs" not in text and "Detect issues" not in text
+
+
+def test_the_experiment_carries_the_runs_view_an_old_store_gets_it_too(tmp_path):
+    """The view MLflow's UI opens for ``viewStateShareKey=splatflow-runs``: the scene and the headline metrics as
+    columns, in the UI's own column ids; an experiment made before the view existed gets it when next used."""
+    import json
+
+    from splatflow import tracking
+
+    uri = f"sqlite:///{tmp_path / 'ml.db'}"
+    cl = tracking.client(uri)
+    old = cl.create_experiment("splatflow")  # as an older splatflow left it: no tags
+    assert tracking.experiment_id(cl, uri=uri) == old
+    tags = cl.get_experiment(old).tags
+    assert tags[tracking.EXPERIMENT_KIND_TAG] == tracking.EXPERIMENT_KIND
+    view = json.loads(tags[tracking.VIEW_TAG])
+    assert view["selectedColumns"] == ["tags.`splatflow.scene`", "metrics.`evaluate.psnr`", "metrics.`evaluate.ssim`",
+                                       "metrics.`evaluate.lpips_alex`", "metrics.`evaluate.gaussians`",
+                                       "metrics.`train.train_seconds`"]
+    assert view["orderByKey"] == "attributes.start_time" and view["orderByAsc"] is False
+    url = tracking.experiment_ui_url(old, "http://127.0.0.1:5000")
+    assert url == (f"http://127.0.0.1:5000/#/experiments/{old}?viewStateShareKey={tracking.VIEW_KEY}"
+                   "&workflowType=machine_learning")

@@ -72,6 +72,9 @@ def tracking_uri(root: str | Path | None = None) -> str:
 def _quiet_mlflow_env() -> None:
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
+    # MLflow prints its own run and experiment links when a run ends on a server, in its GenAI view; splatflow
+    # prints links that open the model-training view (run_ui_url, experiment_ui_url)
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
 
 
 def client(uri: str | None = None):
