@@ -24,10 +24,10 @@ HEADLINE_METRICS = {
     "train.train_seconds": "train time (s)",
 }
 
-#: MLflow 3.17's UI opens an experiment with the view state stored in the experiment tag
-#: ``mlflow.sharedViewState.<key>`` when its address carries ``viewStateShareKey=<key>`` (what its "Share" button
-#: makes). splatflow stores one such view: the runs table with the scene and the headline metrics as columns,
-#: newest run first. Without it the table shows no metric column until a user picks them.
+#: MLflow 3.17's UI reads a view of the runs table from the experiment tag ``mlflow.sharedViewState.<key>`` when
+#: an address carries ``viewStateShareKey=<key>`` (what its "Share" button makes). splatflow stores one: the scene
+#: and the headline metrics as columns, newest run first. In headless Chromium against MLflow 3.17.2 the runs table
+#: still showed the default columns (docs/CONTRACTS.md, Dashboards).
 VIEW_KEY = "splatflow-runs"
 VIEW_TAG = f"mlflow.sharedViewState.{VIEW_KEY}"
 
@@ -125,8 +125,8 @@ def run_ui_url(experiment: str, run_id: str, uri: str | None = None) -> str:
 
 
 def experiment_ui_url(experiment: str, uri: str | None = None) -> str:
-    """The experiment's runs table in the MLflow UI, in the model-training view, with splatflow's columns (the
-    scene and the headline metrics: :data:`VIEW_TAG`)."""
+    """The experiment's runs table in the MLflow UI, in the model-training view, naming splatflow's stored view of
+    it (:data:`VIEW_TAG`)."""
     return (f"{ui_base_url(uri)}/#/experiments/{experiment}?viewStateShareKey={VIEW_KEY}"
             "&workflowType=machine_learning")
 
