@@ -36,6 +36,8 @@ demo: venv web
 	@echo
 	@echo "report:  $(CURDIR)/reports/demo/index.html   (open it in a browser; it works offline)"
 	@echo "viewer:  $(VENV)/bin/splatflow view demo        (interactive, http://127.0.0.1:8080; Ctrl-C stops)"
+	@echo "runs:    $(VENV)/bin/splatflow ui               (then open the MLflow and Prefect links it prints)"
+	@echo "numbers: $(VENV)/bin/splatflow metrics          (LPIPS n/a? $(VENV)/bin/splatflow weights fetch, once)"
 
 repro: venv
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/dvc repro

@@ -30,13 +30,37 @@ PIPELINE = "Pipeline"
 
 
 class CLIGroup(TyperGroup):
-    """The root command group: a user error raised by any command, at any depth, ends as one red line."""
+    """The root command group: a user error raised by any command, at any depth, ends as one red line, and so
+    does a command line click cannot parse (a missing argument, an unknown option, a value out of range): the
+    line names the command and its ``--help``, where typer's default draws a box of usage text."""
 
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
         except (UserError, ConfigError) as e:
             fail(f"error: {e}", getattr(e, "exit_code", 2))
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        try:
+            # `python -m splatflow.cli` reads the same as the `splatflow` script in messages and usage lines
+            rv = super().main(args, prog_name or "splatflow", complete_var, standalone_mode=False, **extra)
+        except Exception as e:  # typer carries its own copy of click: its exceptions are known by class name
+            kinds = {c.__name__ for c in type(e).__mro__}
+            ctx = getattr(e, "ctx", None)
+            if "NoArgsIsHelpError" in kinds:  # `splatflow runs`: its help, as click would show it
+                print(ctx.get_help() if ctx else str(e), file=sys.stderr)
+                rv = e.exit_code
+            elif "ClickException" in kinds:
+                where = getattr(ctx, "command_path", None) or prog_name or "splatflow"
+                message = " ".join(e.format_message().split())
+                fail(f"error: {where}: {message} (`{where} --help` lists the arguments)", e.exit_code)
+            elif "Abort" in kinds:
+                fail("aborted", 1)
+            else:
+                raise
+        if not standalone_mode:
+            return rv
+        sys.exit(rv if isinstance(rv, int) else 0)
 
 
 app = typer.Typer(cls=CLIGroup, no_args_is_help=True, add_completion=False,
@@ -51,10 +75,10 @@ def _dvc() -> str:
 @app.command("demo-scene", rich_help_panel=PIPELINE)
 def demo_scene(
     out: Path = typer.Option(Path("data/raw/demo"), help="output folder (images/ and ground_truth/ inside)"),
-    views: Optional[int] = typer.Option(None, help="number of views (default: the demo's)"),
-    width: Optional[int] = typer.Option(None, help="image width in pixels"),
-    height: Optional[int] = typer.Option(None, help="image height in pixels"),
-    arc: Optional[float] = typer.Option(None, help="orbit arc in degrees (360 = full orbit)"),
+    views: Optional[int] = typer.Option(None, min=3, help="number of views (default: the demo's)"),
+    width: Optional[int] = typer.Option(None, min=32, help="image width in pixels"),
+    height: Optional[int] = typer.Option(None, min=32, help="image height in pixels"),
+    arc: Optional[float] = typer.Option(None, min=1.0, max=360.0, help="orbit arc in degrees (360 = full orbit)"),
     seed: Optional[int] = typer.Option(None, help="random seed (the scene is deterministic for a seed)"),
     force: bool = typer.Option(False, help="rewrite the scene even if it exists"),
 ):
@@ -82,7 +106,7 @@ def add_scene(
                                                            "cameras.json or Strecha camera folder)"),
     force: bool = typer.Option(False, help="replace an existing scene of that name"),
     masks: Optional[Path] = typer.Option(None, help="folder of masks named like the images (white = keep)"),
-    downscale: Optional[int] = typer.Option(None, help="this scene's working resolution: 1, 2, 4 or 8 "
+    downscale: Optional[int] = typer.Option(None, min=1, help="this scene's working resolution: 1, 2, 4 or 8 "
                                                        "(default: base.resolution)"),
 ):
     """Register a folder of images, a video or a COLMAP dataset as a scene in params.yaml (keeps its comments)."""
@@ -223,7 +247,7 @@ def run(
     if rc != 0:
         raise typer.Exit(rc)
     for s in scenes:
-        typer.echo(f"\n{s}: metrics in metrics/{s}/ ; `dvc metrics show` to see them")
+        typer.echo(f"\n{s}: metrics in metrics/{s}/ ; `splatflow metrics {s}` shows them as a table")
 
 
 # The sub-apps: their commands keep the command lines they always had (`splatflow ui`, `splatflow runs reap`).
@@ -232,6 +256,7 @@ app.add_typer(ops_cli.flows_app)
 app.add_typer(ops_cli.runs_app, name="runs", rich_help_panel=ops_cli.RESULTS)
 app.add_typer(ops_cli.results_app)
 app.add_typer(view_cli.app)
+app.add_typer(view_cli.weights_app, name="weights", rich_help_panel=view_cli.PANEL)
 
 
 def main() -> None:

@@ -357,12 +357,26 @@ text-align:left;vertical-align:top}th{font-weight:600;white-space:nowrap}td.note
 .cams button.test{border-color:#d9822b;color:#a85a12}
 figure{margin:0 0 16px}figure img{max-width:100%;display:block;border:1px solid #e1e5ea}
 figcaption{font-size:12px;color:#5b6670}
+.errscale{font-size:12px;color:#5b6670;margin:0 0 22px}.errscale .ramp{display:inline-block;position:relative;
+width:240px;height:12px;margin:0 8px 0 6px;vertical-align:middle}.errscale .ramp i{position:absolute;inset:0;
+border:1px solid #c9d0d7;background:linear-gradient(90deg,#000 0%,#f00 33.33%,#ff0 66.67%,#fff 100%)}
+.errscale .ramp span{position:absolute;top:13px;transform:translateX(-50%);font-size:11px}
 code{background:#eef1f4;padding:0 3px;border-radius:2px}
 """.replace("BG", BACKGROUND)
 
 
+def error_scale_html(error_gain: float) -> str:
+    """The colour scale of the error maps (:func:`splatflow.evaluate.error_heatmap`: black at 0, red, yellow, white
+    at 1 / ``error_gain`` and above, of the mean absolute RGB error in [0, 1]), so a colour reads as a number."""
+    top = 1.0 / error_gain
+    ticks = "".join(f"<span style=\"left:{100 * i / 3:.2f}%\">{top * i / 3:.3g}</span>" for i in range(4))
+    return (f'<div class=errscale id=error-scale data-max="{top:.6g}"><b>error map</b> '
+            f'<span class=ramp><i></i>{ticks}</span> mean |render &minus; ground truth| over R, G, B (0-1); '
+            f"{top:.3g} and above is white (evaluate.error_gain = {error_gain:g})</div>")
+
+
 def build_report(paths: ScenePaths, cfg: ReportConfig | None = None, *, max_psnr_drop_db: float | None = None,
-                 title: str | None = None) -> dict:
+                 title: str | None = None, error_gain: float = 4.0) -> dict:
     """Write ``reports/<scene>/index.html`` from the scene's stage outputs; return the report's metrics.
 
     ``cfg`` (params.yaml's ``report`` section; its defaults when None) sizes the embedded preview and the list of
@@ -514,6 +528,7 @@ controls: <code>splatflow view {html.escape(paths.scene)}</code>.</p>
 <p class=sub>{html.escape(str(pr.get("stop_reason") or "")) or f"{len(pr.get('phases') or [])} phases, all kept."}</p>
 
 <h2>Test views</h2>
+{error_scale_html(error_gain) if figures else ''}
 {''.join(figures) or '<p class=sub>no renders (evaluate.save_renders is off)</p>'}
 {more}
 </main>

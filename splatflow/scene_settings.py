@@ -30,7 +30,7 @@ STAGE_PARAMS: dict[str, tuple[str, ...]] = {
     "prune": ("train", "prune"),
     "evaluate": ("evaluate",),
     "export": ("export",),
-    "report": ("prune.max_psnr_drop_db", "report"),
+    "report": ("prune.max_psnr_drop_db", "evaluate.error_gain", "report"),
 }
 
 

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from splatflow import stop, tracking
+from splatflow import progress, stop, tracking
 from splatflow.config import ConfigError, Params, load_params
 from splatflow.device import peak_rss_mb
 from splatflow.errors import UserError, fail
@@ -108,6 +108,7 @@ def stage_main(stage: str, run: RunFn, argv: list[str] | None = None, *, needs_t
     every repro, would otherwise make a run of every no-op ``dvc repro``).
     """
     stop.install()  # SIGTERM and Ctrl-C from here on are a clean stop (exit 143), also while numba/torch load
+    progress.install_for_logs()  # captured output (DVC, a worker's log): progress as lines, not \r frames
     parser = argparse.ArgumentParser(prog=f"python -m stages.{stage}", description=f"splatflow {stage} stage")
     parser.add_argument("scene", help="scene name (a key of base.scenes in params.yaml)")
     parser.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")

@@ -211,9 +211,9 @@ class SplatViewer:
         self._add_gui()
         self._start = self._pick_start(start_camera)
         if self._start is not None:
-            # --camera NAME starts exactly there; by default the view starts a few camera spacings behind the first
-            # test camera, so the scene and the camera frustums around it are in sight.
-            self._set_initial_camera(self._start, back=0.0 if start_camera else 3.0 * self._spacing)
+            # the view starts exactly where a photo was taken, so the splat is in sight as the camera saw it (from
+            # behind a camera, its own frustum and its neighbours' stood between the eye and the splat)
+            self._set_initial_camera(self._start)
         self._redraw(None)
         self.server.on_client_connect(self._on_connect)
         self.server.on_client_disconnect(lambda client: self._eyes.pop(client.client_id, None))
@@ -221,8 +221,8 @@ class SplatViewer:
     # -- scene ------------------------------------------------------------------------------------------------
     def _pick_start(self, name: str | None) -> CameraInfo | None:
         cams = self.model.cameras
-        if name is None:
-            return cams[0] if cams else None  # the first test camera (test views come first)
+        if name is None:  # the first training camera: a view the splat was fitted to (test views come first)
+            return next((c for c in cams if c.split == "train"), cams[0] if cams else None)
         for c in cams:
             if name in (c.name, Path(c.name).stem):
                 return c

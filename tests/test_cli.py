@@ -170,7 +170,7 @@ def test_batch_without_a_served_deployment_says_what_to_start(project):
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     # no server at all: `ui` and `serve` to start (the port looked for is servers.PREFECT_PORT: point it at the dead one)
     code = ("import sys; from splatflow.orchestrate import servers; servers.PREFECT_PORT = int(sys.argv[1]); "
-            "from splatflow.cli import main; sys.argv = ['splatflow', 'batch', 'demo', 'other']; main()")
+            "from splatflow.cli import main; sys.argv = ['splatflow', 'batch', 'demo']; main()")
     r = subprocess.run([sys.executable, "-c", code, str(dead)], cwd=project, env=env, capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 2, r.stderr[-3000:]
@@ -205,3 +205,24 @@ def test_add_scene_warns_at_once_about_a_folder_too_small_for_sfm(project):
         (two / name).write_bytes(b"x")
     r = CliRunner().invoke(app, ["add-scene", "four", str(two)])
     assert r.exit_code == 0 and "warning" not in r.output, r.output
+
+
+def test_metrics_table_fits_120_columns_and_offers_the_lpips_weights(project):
+    """`splatflow metrics`: the headline numbers of each scene in one table a terminal shows whole (`dvc metrics
+    show` printed 134 columns in lines of 4,000+ characters); --all lists every number, one per line."""
+    shutil.copytree(REPO / "metrics" / "demo", project / "metrics" / "demo")
+    r = CliRunner().invoke(app, ["metrics"])
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    assert max(len(line) for line in lines) <= 120
+    assert lines[0].split()[:4] == ["scene", "PSNR", "dB", "SSIM"]
+    row = lines[1].split()
+    import json
+
+    ev = json.loads((REPO / "metrics" / "demo" / "evaluate.json").read_text())
+    assert row[0] == "demo" and row[1] == f"{ev['psnr']:.2f}" and row[4] == f"{ev['gaussians']:,}"
+    if ev["lpips_alex"] is None:
+        assert row[3] == "n/a" and "splatflow weights fetch" in r.output
+    full = CliRunner().invoke(app, ["metrics", "demo", "--all"])
+    assert full.exit_code == 0 and max(len(line) for line in full.output.splitlines()) <= 120
+    assert "demo / evaluate  (metrics/demo/evaluate.json)" in full.output and "test_views" in full.output

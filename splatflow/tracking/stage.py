@@ -21,7 +21,7 @@ from splatflow.tracking import steps
 from splatflow.tracking.metadata import (artifact_files, backend_tags, device_tags, dvc_lock_tags, flatten_params,
                                          log_files, log_train_plot, numeric_metrics, process_tags, stage_sections)
 from splatflow.tracking.runs import create_scene_run, dvc_ancestor, locked, state_file
-from splatflow.tracking.store import (check_reachable, client, enabled, log_batch, repo_root,
+from splatflow.tracking.store import (check_reachable, client, enabled, log_batch, repo_root, run_ui_url,
                                       store_problem, tracking_uri)
 
 class StageTracker:
@@ -110,6 +110,9 @@ def open_run(stage: str, scene: str, root: Path, params: Any) -> StageTracker:
             else:
                 run_id = create_scene_run(cl, scene, root, params, uri=uri,
                                           tags={"splatflow.started_by": "dvc" if anc else "stage"})
+                with contextlib.suppress(Exception):  # the link is a convenience; logging goes on without it
+                    url = run_ui_url(cl.get_run(run_id).info.experiment_id, run_id, uri)
+                    print(f"{scene}: MLflow run {run_id[:8]}, {url} (served by `splatflow ui`)", flush=True)
                 if anc is not None:
                     state.write_text(json.dumps({"run_id": run_id, "dvc_pid": anc[0], "dvc_start": anc[1],
                                                  "tracking_uri": uri, "created": time.time()}) + "\n")
