@@ -14,7 +14,6 @@ device's name, the torch / gsplat / CUDA versions and, on a GPU, the peak alloca
 from __future__ import annotations
 
 import platform
-import resource
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,10 +103,6 @@ def to_device(obj: Any, device: torch.device | str) -> Any:
     return obj
 
 
-def peak_rss_mb() -> float:
-    """Peak resident set size of this process so far, in MiB (Linux reports ``ru_maxrss`` in KiB): the host memory
-    every stage's metrics report (``peak_rss_mb``)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 def reset_peak_memory(dev: RunDevice | None = None) -> None:

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import random
+import resource
 import sys
 import time
 from pathlib import Path
@@ -18,11 +19,9 @@ from typing import Callable
 
 from splatflow import progress, stop, tracking
 from splatflow.config import ConfigError, Params, load_params
-from splatflow.device import peak_rss_mb
 from splatflow.errors import UserError, fail
 from splatflow.orchestrate.workspace import WorkspaceBusy, busy_message, foreign_writer
 from splatflow.paths import ScenePaths
-from splatflow.render import configure_threads as _configure
 
 RunFn = Callable[[Params, ScenePaths], dict]
 
@@ -64,7 +63,16 @@ def seed_everything(seed: int) -> None:
 
 def configure_threads(n: int) -> None:
     """Pin numba and torch thread counts without their OpenMP runtimes fighting (docs/design.md §3)."""
+    # settings, ingest, sfm and split need neither (2-3 s of start-up in every one of their processes)
+    from splatflow.render import configure_threads as _configure  # lazy: torch and numba
+
     _configure(n)
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process so far, in MiB (Linux reports ``ru_maxrss`` in KiB): the host memory
+    every stage's metrics report (``peak_rss_mb``)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 def _tracking(stage: str, scene: str, params: Params, paths: ScenePaths, record: bool = True):

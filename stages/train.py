@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from splatflow import stop
 from splatflow.config import Params
-from splatflow.device import peak_rss_mb
 from splatflow.errors import UserError
 from splatflow.paths import ScenePaths
-from splatflow.stage import stage_main
+from splatflow.stage import peak_rss_mb, stage_main
 from splatflow.stop import StageStopped
 from splatflow.tracking import step_logger
 
