@@ -15,6 +15,8 @@ import pytest
 
 from tests._project import BIN, make_project, project_env
 
+pytestmark = pytest.mark.slow  # runs the pipeline through DVC
+
 HOLD = """
 import sys, time
 from splatflow.orchestrate.workspace import workspace_lock
