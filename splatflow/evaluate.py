@@ -27,6 +27,7 @@ from splatflow.errors import UserError
 from splatflow.lpips import VARIANT_INPUTS, LpipsSet
 from splatflow.metrics import masked_pair, masked_psnr, masked_ssim, psnr, quantize_8bit, ssim
 from splatflow.model import Splats, load_splats, render_view
+from splatflow.runtime_env import peak_rss_mb
 from splatflow.scene.dataset import load_scene, read_split
 from splatflow.scene.masks import read_view_mask
 
@@ -193,7 +194,7 @@ def evaluate(splats: Splats, sh_degree: int, test_views: list, cfg: EvaluateConf
         "fps": 1.0 / mean_seconds if mean_seconds > 0 else None,
         "gaussians": model.n,
         "model_size_mb": round(model.size_mib, 4),
-        "peak_rss_mb_evaluate": round(devices.peak_rss_mb(), 1),
+        "peak_rss_mb_evaluate": round(peak_rss_mb(), 1),
         "peak_rss_mb_train": _train_peak_rss(train_json),
         "device": devices.run_record(run_dev),
         "protocol": {

@@ -20,6 +20,7 @@ when they start):
 
 import hashlib as _hashlib
 import os as _os
+import resource as _resource
 from pathlib import Path as _Path
 
 from splatflow.paths import experiment_origin
@@ -51,3 +52,8 @@ if "NUMBA_CACHE_DIR" not in _os.environ:
     except OSError:  # an unreadable install: numba's own default cache location applies
         pass
 
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process so far, in MiB (Linux reports ``ru_maxrss`` in KiB): the host memory
+    every stage's metrics report (``peak_rss_mb``)."""
+    return _resource.getrusage(_resource.RUSAGE_SELF).ru_maxrss / 1024.0

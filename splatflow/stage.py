@@ -11,7 +11,6 @@ import json
 import math
 import os
 import random
-import resource
 import sys
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ from splatflow.config import ConfigError, Params, load_params
 from splatflow.errors import UserError, fail
 from splatflow.orchestrate.workspace import WorkspaceBusy, busy_message, foreign_writer
 from splatflow.paths import ScenePaths
+from splatflow.runtime_env import peak_rss_mb
 
 RunFn = Callable[[Params, ScenePaths], dict]
 
@@ -69,27 +69,24 @@ def configure_threads(n: int) -> None:
     _configure(n)
 
 
-def peak_rss_mb() -> float:
-    """Peak resident set size of this process so far, in MiB (Linux reports ``ru_maxrss`` in KiB): the host memory
-    every stage's metrics report (``peak_rss_mb``)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
 
 def _tracking(stage: str, scene: str, params: Params, paths: ScenePaths, record: bool = True):
     return tracking.stage_tracking(stage, scene, params, paths, record=record)
 
 
 def _drill_hold(stage: str, scene: str) -> None:
-    """``SPLATFLOW_STAGE_HOLD_S=<seconds>``: wait that long with the run open, before the work starts.
+    """``SPLATFLOW_STAGE_HOLD_S=<seconds>`` (every stage) or ``<stage>:<seconds>`` (that stage only): wait that
+    long with the run open, before the work starts.
 
     For stop drills and their tests: stages that take a fraction of a second on a small scene can then be stopped
     at a known moment (the stage shell, its run and its SIGTERM owner are all in place). Unset in normal runs.
     """
     hold = os.environ.get("SPLATFLOW_STAGE_HOLD_S", "").strip()
-    if hold:
-        print(f"splatflow {stage} [{scene}]: holding {float(hold):g} s before the work (SPLATFLOW_STAGE_HOLD_S)",
+    only, _, seconds = hold.rpartition(":")
+    if seconds and (not only or only == stage):
+        print(f"splatflow {stage} [{scene}]: holding {float(seconds):g} s before the work (SPLATFLOW_STAGE_HOLD_S)",
               flush=True)
-        time.sleep(float(hold))
+        time.sleep(float(seconds))
 
 
 def _check_sole_writer(stage: str, scene: str, root: Path) -> None:
@@ -137,8 +134,7 @@ def stage_main(stage: str, run: RunFn, argv: list[str] | None = None, *, needs_t
     t0 = time.perf_counter()
     try:
         with _tracking(stage, args.scene, params, paths, record) as tracker:
-            if record:  # a drill stops a stage with its run open; the settings stage (no run) never holds
-                _drill_hold(stage, args.scene)
+            _drill_hold(stage, args.scene)
             metrics = run(params, paths)
             metrics = dict(metrics or {})
             metrics.setdefault("stage_seconds", round(time.perf_counter() - t0, 3))

@@ -11,7 +11,8 @@ from splatflow import stop
 from splatflow.config import Params
 from splatflow.errors import UserError
 from splatflow.paths import ScenePaths
-from splatflow.stage import peak_rss_mb, stage_main
+from splatflow.runtime_env import peak_rss_mb
+from splatflow.stage import stage_main
 from splatflow.stop import StageStopped
 from splatflow.tracking import step_logger
 

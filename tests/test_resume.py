@@ -20,6 +20,8 @@ import torch
 from splatflow.model import SPLAT_KEYS
 from tests._project import drill_project, run, tracked_env
 
+pytestmark = pytest.mark.slow  # runs the pipeline through DVC
+
 SCENE = "tiny"
 
 

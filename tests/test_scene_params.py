@@ -11,6 +11,8 @@ import yaml
 from splatflow.config import ConfigError, load_params, params_from_dict
 from tests._project import BIN, TINY_SCENE, dvc, make_project, project_env, run
 
+pytestmark = pytest.mark.slow  # runs the pipeline through DVC
+
 REPO = Path(__file__).resolve().parents[1]
 
 

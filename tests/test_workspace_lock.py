@@ -15,6 +15,8 @@ import pytest
 
 from tests._project import BIN, make_project, project_env
 
+pytestmark = pytest.mark.slow  # runs the pipeline through DVC
+
 HOLD = """
 import sys, time
 from splatflow.orchestrate.workspace import workspace_lock
@@ -234,7 +236,7 @@ def test_splatflow_run_passes_sigterm_on_to_the_stage(two_scenes):
 
     db = two_scenes / "mlflow.db"
     env = _env(two_scenes, SPLATFLOW_TRACKING="on", MLFLOW_TRACKING_URI=f"sqlite:///{db}",
-               SPLATFLOW_STAGE_HOLD_S="300")
+               SPLATFLOW_STAGE_HOLD_S="ingest:300")  # settings, which runs first, opens no run
     env.pop("MLFLOW_RUN_ID", None)
     run = Background(_cli_cmd("run", "tiny"), two_scenes, env)
     try:
