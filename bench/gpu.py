@@ -47,6 +47,15 @@ import torch  # noqa: E402
 
 
 @torch.no_grad()
+
+def print_busy_share(prof: dict, args, what: str) -> float:
+    """Print the profiled steps' time and the GPU's busy share of it; return that share (3 decimals)."""
+    busy = prof["profile_gpu_busy_ms_per_step"] / max(prof["profile_wall_ms_per_step"], 1e-9)
+    print(f"profile of {what} {args.profile_at}..{args.profile_at + args.profile_steps - 1}: "
+          f"{prof['profile_wall_ms_per_step']} ms per step, GPU busy {prof['profile_gpu_busy_ms_per_step']} ms "
+          f"({100 * busy:.0f} % of the step)")
+    return round(busy, 3)
+
 def test_psnr_on(splats, sh_degree, views, device) -> list[float]:
     """Per-view test PSNR, rendering on ``device`` (one image pair there at a time)."""
     from splatflow.model import Splats, render_view
@@ -212,11 +221,7 @@ def peer_compare(args, cfg, dev, out: dict) -> None:
     ours = rec.points
     print(pg.curve_table("splatflow", ours), flush=True)
     if prof:
-        busy = prof["profile_gpu_busy_ms_per_step"] / max(prof["profile_wall_ms_per_step"], 1e-9)
-        prof["profile_gpu_busy_share"] = round(busy, 3)
-        print(f"profile of splatflow's steps {args.profile_at}..{args.profile_at + args.profile_steps - 1}: "
-              f"{prof['profile_wall_ms_per_step']} ms per step, GPU busy {prof['profile_gpu_busy_ms_per_step']} ms "
-              f"({100 * busy:.0f} %)")
+        prof["profile_gpu_busy_share"] = print_busy_share(prof, args, "splatflow's steps")
         out.update(prof)
     cmd = pg.peer_command(args.peer_root, args.peer_python, data, result, args.peer_steps,
                           curve_steps(args.peer_steps, args.curve_points))
@@ -360,11 +365,7 @@ def main(argv=None) -> dict:
           f"{out['psnr_test']:.2f} dB, {out['gaussians']} Gaussians, peak GPU memory "
           f"{out['gpu_peak_allocated_mib']} MiB allocated / {out['gpu_peak_reserved_mib']} MiB reserved")
     if prof:
-        busy = prof["profile_gpu_busy_ms_per_step"] / max(prof["profile_wall_ms_per_step"], 1e-9)
-        out["profile_gpu_busy_share"] = round(busy, 3)
-        print(f"profile of steps {args.profile_at}..{args.profile_at + args.profile_steps - 1}: "
-              f"{prof['profile_wall_ms_per_step']} ms per step, GPU busy {prof['profile_gpu_busy_ms_per_step']} ms "
-              f"({100 * busy:.0f} % of the step)")
+        out["profile_gpu_busy_share"] = print_busy_share(prof, args, "steps")
         for title, key in (("host (self CPU)", "profile_top_host"), ("GPU (self CUDA)", "profile_top_gpu")):
             print(f"  top operators by {title} time, ms per step:")
             for r in prof[key]:
