@@ -119,7 +119,9 @@ def test_report_opened_from_disk_offline_shows_the_splat(reconstructed, tmp_path
     shutil.copy(reconstructed / "reports/tiny/index.html", alone)
     url = alone.as_uri()
 
-    dom = _chromium.dump_dom_until(url, lambda d: _parse(d).viewer.get("data-state") != "loading", offline=True)
+    # until the page's script has decided (under load it may not have started at the first look)
+    dom = _chromium.dump_dom_until(url, lambda d: _parse(d).viewer.get("data-state") in ("ready", "error"),
+                                   offline=True)
     viewer = _parse(dom).viewer
     assert viewer.get("data-state") == "ready", viewer.get("data-error", viewer)
 
