@@ -53,16 +53,16 @@ def _run(body: str) -> None:
 
 
 def test_one_launch_adam_equals_torch_fused_adam_per_group():
-    """Twenty steps over six groups of different sizes and learning rates (one changed mid-way, as the position
-    schedule does), rows added between steps as densification adds them: parameters and moments within float32
-    rounding of torch's fused Adam, the step counts equal, and the state loadable by torch's Adam."""
+    """Twelve steps over six groups of different sizes and learning rates (one changed mid-way, as the position
+    schedule does): parameters and moments within float32 rounding of torch's fused Adam, the step counts equal,
+    and the state loadable by torch's Adam. The largest group spans several kernel blocks."""
     _run("""
-        ref_p, lrs, g = groups(0, 3000)
+        ref_p, lrs, g = groups(0, 700)
         ours_p = {k: torch.nn.Parameter(v.detach().clone()) for k, v in ref_p.items()}
         ref = optim.make_optimizers(ref_p, lrs)
         ours = optim.make_optimizers(ours_p, lrs)
-        for it in range(20):
-            if it == 10:
+        for it in range(12):
+            if it == 6:
                 for o in (ref, ours):
                     o["means"].param_groups[0]["lr"] = 7e-5
             seed = torch.Generator().manual_seed(100 + it)
@@ -79,12 +79,12 @@ def test_one_launch_adam_equals_torch_fused_adam_per_group():
             sr, so = ref[k].state[ref_p[k]], ours[k].state[ours_p[k]]
             torch.testing.assert_close(so["exp_avg"], sr["exp_avg"], rtol=1e-6, atol=1e-7)
             torch.testing.assert_close(so["exp_avg_sq"], sr["exp_avg_sq"], rtol=1e-6, atol=1e-9)
-            assert so["step"].dtype == sr["step"].dtype and float(so["step"]) == float(sr["step"]) == 20.0
+            assert so["step"].dtype == sr["step"].dtype and float(so["step"]) == float(sr["step"]) == 12.0
             # the state dict a checkpoint stores loads into torch's own Adam and steps on from there
             fresh = optim.adam(torch.nn.Parameter(ours_p[k].detach().clone()), lrs[k])
             fresh.load_state_dict(ours[k].state_dict())
         diff = max(float((ours_p[k] - ref_p[k]).abs().max()) for k in ref_p)
-        moved = max(float((ours_p[k] - groups(0, 3000)[0][k]).abs().max()) for k in ref_p)
+        moved = max(float((ours_p[k] - groups(0, 700)[0][k]).abs().max()) for k in ref_p)
         assert moved > 1e-3 and diff < 1e-5 * max(moved, 1.0)
     """)
 

@@ -45,7 +45,7 @@ def test_fused_loss_equals_the_torch_loss_value_and_gradient():
 
         assert available(torch.device("cpu"))
         g = torch.Generator().manual_seed(0)
-        for shape in [(1, 3, 37, 150), (2, 3, 9, 13), (1, 3, 64, 129)]:
+        for shape in [(1, 3, 23, 133), (2, 3, 9, 13)]:  # small: Triton's interpreter runs each program in Python
             y = torch.rand(*shape, generator=g)
             x0 = (y + 0.15 * torch.randn(*shape, generator=g)).clamp(0, 1)
             x0[..., :3, :5] = y[..., :3, :5]  # equal pixels: |x - y| has gradient 0 there, as torch's abs
