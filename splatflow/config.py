@@ -493,7 +493,7 @@ class PruneConfig:
     score_factor: float = 1.0  # resolution factor of the renders that measure the scores
     # position learning rate of the recovery, as a factor of train.lr.means (x scene scale): training ends at
     # train.lr.means_final_factor (0.01), too slow for the survivors to move into the gaps the cut ones leave
-    finetune_means_lr: float = 0.3
+    finetune_means_lr: float = 0.01
     volume_beta: float = 0.1
     volume_ref_quantile: float = 0.1
     backend: Literal["auto", "cpu", "cuda", "torch"] = "auto"

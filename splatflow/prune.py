@@ -28,8 +28,10 @@ configurable:
 - Each phase cuts in ``score_rounds`` geometric steps, re-scoring the survivors before each. Single-removal
   costs cannot see redundancy: of two look-alike Gaussians each is cheap to remove while the other stays, and
   one cut drops both. After a smaller cut the remaining one becomes expensive and is kept.
-- The recovery moves positions at ``prune.finetune_means_lr`` x the initial training rate (0.3) instead of the
-  final one (0.01): at the final rate the survivors barely move into the gaps the removed ones leave.
+- The recovery moves positions at ``prune.finetune_means_lr`` x the initial training rate: by default training's
+  final one (0.01). Deep cuts of the synthetic demo recovered better at 0.3 (the survivors move into the gaps the
+  removed ones leave), but on a real 360-degree capture halved once, 0.3 fitted the training views and lost
+  0.4 dB more on the test views than 0.01 (bench/RESULTS.md, "Real captures").
 """
 
 from __future__ import annotations
