@@ -19,33 +19,15 @@ interpreter (``TRITON_INTERPRET=1``, ``tests/test_ssim_triton.py``).
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
 from .ssim_window import C1, C2, WINDOW, gaussian_window_1d
-
-try:  # Triton ships with torch's CUDA builds; CPU-only installs lack it
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
+from .triton_gate import enabled as available  # noqa: F401 (this module's gate)
+from .triton_gate import tl, triton
 
 BW = 128  # columns per block
 _TAPS: dict = {}  # device -> the window's taps
-
-
-def available(device: torch.device) -> bool:
-    """Whether the fused loss can run on ``device``: Triton importable, and CUDA (or any device under
-    ``TRITON_INTERPRET=1``: tests). On CUDA only with ``SPLATFLOW_TRITON=1`` for now: the compiled kernels have
-    not run on a GPU yet."""
-    if triton is None:
-        return False
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return True
-    # opt-in until a GPU run has checked the compiled kernels (bench/gpu_check.sh sets it)
-    return device.type == "cuda" and os.environ.get("SPLATFLOW_TRITON") == "1"
 
 
 if triton is not None:

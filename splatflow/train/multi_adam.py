@@ -19,32 +19,15 @@ tests compare it with ``torch.optim.Adam`` without a GPU.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-try:  # Triton ships with torch's CUDA builds; CPU-only installs lack it
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
+from splatflow.render.triton_gate import enabled as available  # noqa: F401 (this module's gate)
+from splatflow.render.triton_gate import tl, triton
 
 GROUPS = 6  # the kernel's fixed number of groups (the model's six tensors; fewer are padded with empty ones)
 BLOCK = 1024
-_ZERO: dict = {}
-_BETAS: dict = {}  # (device, beta1, beta2) -> the betas as float64 on the device  # a zero found_inf flag per device, for steps without deferred checks
-
-
-def available(device: torch.device) -> bool:
-    """Whether the one-launch Adam can step tensors on ``device``: Triton importable, and a CUDA device (or any
-    device under ``TRITON_INTERPRET=1``, Triton's CPU interpreter: tests). On CUDA only with
-    ``SPLATFLOW_TRITON=1`` for now: the compiled kernel has not run on a GPU yet."""
-    if triton is None:
-        return False
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return True
-    # opt-in until a GPU run has checked the compiled kernels (bench/gpu_check.sh sets it)
-    return device.type == "cuda" and os.environ.get("SPLATFLOW_TRITON") == "1"
+_ZERO: dict = {}  # a zero found_inf flag per device, for steps without deferred checks
+_BETAS: dict = {}  # (device, beta1, beta2) -> the betas as float64 on the device
 
 
 if triton is not None:
