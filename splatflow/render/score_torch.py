@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from .constants import ALPHA_MAX, ALPHA_MIN, T_MIN, TILE
+from .oracle import tile_lists
 from .projection import gaussian_colors, project_gaussians, tile_grid
 
 # (pixel, Gaussian) pairs per chunk: about 40 bytes of temporaries each in float32, so ~0.2 GiB on the CPU and
@@ -29,36 +30,6 @@ from .projection import gaussian_colors, project_gaussians, tile_grid
 CHUNK_ELEMS_CPU = 1 << 22
 CHUNK_ELEMS_CUDA = 1 << 25
 
-
-def tile_lists(means2d: Tensor, radii: Tensor, depths: Tensor, width: int, height: int) -> tuple[Tensor, Tensor]:
-    """Depth-sorted Gaussian lists per tile of one camera, on the inputs' device: ``(offsets [n_tiles + 1],
-    ids [M])``, ids sorted by (tile, depth, index). A Gaussian is listed in every tile its radius rectangle
-    ``[mean - r, mean + r]`` touches (a superset of where its alpha reaches 1/255; the compositing tests each
-    pixel), as in the oracle."""
-    dev = means2d.device
-    tw, th = tile_grid(width, height, TILE)
-    N = means2d.shape[0]
-    m = means2d.detach()
-    r = radii.to(m.dtype)
-    vis = (radii > 0).all(dim=-1)
-    x0 = torch.clamp(torch.floor((m[:, 0] - r[:, 0]) / TILE), 0, tw).long()
-    x1 = torch.clamp(torch.ceil((m[:, 0] + r[:, 0]) / TILE), 0, tw).long()
-    y0 = torch.clamp(torch.floor((m[:, 1] - r[:, 1]) / TILE), 0, th).long()
-    y1 = torch.clamp(torch.ceil((m[:, 1] + r[:, 1]) / TILE), 0, th).long()
-    nx = torch.where(vis, x1 - x0, 0)
-    ny = torch.where(vis, y1 - y0, 0)
-    count = nx * ny  # [N]
-    gid = torch.repeat_interleave(torch.arange(N, device=dev), count)  # [M]
-    start = torch.cumsum(count, 0) - count
-    local = torch.arange(gid.numel(), device=dev) - start[gid]  # index within the Gaussian's rectangle
-    nxg = nx[gid].clamp(min=1)
-    tile = (y0[gid] + local // nxg) * tw + x0[gid] + local % nxg  # [M]
-    rank = torch.empty(N, dtype=torch.long, device=dev)
-    rank[torch.sort(depths.detach(), stable=True).indices] = torch.arange(N, device=dev)
-    ids = gid[torch.argsort(tile * N + rank[gid])]
-    offsets = torch.zeros(tw * th + 1, dtype=torch.long, device=dev)
-    offsets[1:] = torch.cumsum(torch.bincount(tile, minlength=tw * th), 0)
-    return offsets, ids
 
 
 def _chunk_scores(m2: Tensor, con: Tensor, col: Tensor, op: Tensor, valid: Tensor, pix: Tensor, inside: Tensor,

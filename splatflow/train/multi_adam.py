@@ -84,7 +84,7 @@ if triton is not None:
                 _adam_block(p5, g5, m5, v5, s5, n5, lr5, pid - e4, beta2, omb1, omb2, eps, betas_ptr, BLOCK)
 
 
-def _state(opt: torch.optim.Adam, p: torch.Tensor) -> dict:
+def adam_state(opt: torch.optim.Adam, p: torch.Tensor) -> dict:
     """``opt``'s state of ``p``, made as torch's fused Adam makes it on its first step when it has none yet."""
     st = opt.state[p]
     if not st:
@@ -141,7 +141,7 @@ def step(optimizers: dict[str, torch.optim.Adam], found_inf: torch.Tensor | None
     for opt in opts:
         grp = opt.param_groups[0]
         p = grp["params"][0]
-        st = _state(opt, p)
+        st = adam_state(opt, p)
         steps.append(st["step"])
         args += [p, p.grad, st["exp_avg"], st["exp_avg_sq"], st["step"], p.numel(), float(grp["lr"])]
         blocks += triton.cdiv(p.numel(), BLOCK)

@@ -26,6 +26,7 @@ import torch
 
 from splatflow.model import SPLAT_KEYS
 from splatflow.render._sparse_kernels import adam_catch_up, adam_rows, window_candidates
+from splatflow.train.multi_adam import adam_state
 
 # a step that reaches more than this share of the rows updates all of them in order (streaming beats jumping)
 DENSE_SHARE = 0.25
@@ -82,15 +83,7 @@ class SparseAdam:
         self.sync(params, optimizers, force=True)
 
     # ------------------------------------------------------------------------------------------ bookkeeping
-    @staticmethod
-    def _state(opt: torch.optim.Adam, p: torch.nn.Parameter) -> dict:
-        """The param's Adam state, created as torch's Adam creates it on its first step."""
-        st = opt.state[p]
-        if not st:
-            st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-            st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        return st
+    _state = staticmethod(adam_state)  # the param's Adam state, created as torch's Adam creates it
 
     def _tables(self, t: int) -> None:
         """Bias corrections per Adam count up to ``t``: ``1 - b1^c`` and ``sqrt(1 - b2^c)``."""
