@@ -2,19 +2,21 @@
 
 Trains the demo scene (``splatflow demo-scene``'s defaults: 36 views at 320x240 on a full orbit, its TRUE cameras,
 so no SfM run varies between versions; every 8th view held out) with the demo's effective train params
-(``params.yaml``'s ``base.scenes.demo.params.train``: a 40K budget, pruning during training; 600 of its 2,000 steps,
-so that a check takes minutes) on the CPU backend, and a few shorter variants that take the other paths of the loop (3DGS-MCMC, the dense step, no
-spatial order, a run stopped mid-pruning and resumed). Writes each run's final parameters (``<run>.pt``), its
-result (steps, stop reason, validation PSNRs, refine events, the prune_during report) and its training CSV
-without the seconds column (``<run>.json``) to ``OUT``. ``compare`` then says, run by run, whether two such
-folders hold the same bits (``torch.equal`` on every tensor, equality of the JSON).
+(``params.yaml``'s ``base.scenes.demo.params.train``: a 40K budget, pruning during training; 300 of its 2,000
+steps, so that a check takes minutes on a loaded machine) on the CPU backend, and shorter variants that take the
+loop's other paths (3DGS-MCMC, the dense step, no spatial order, a run stopped mid-pruning and resumed). Writes
+each run's final parameters (``<run>.pt``), its result (steps, stop reason, validation PSNRs, refine events, the
+prune_during report) and its training CSV without the seconds column (``<run>.json``) to ``OUT``. ``compare``
+then says, run by run, whether two such folders hold the same bits (``torch.equal`` on every tensor, equality of
+the JSON).
 
-    python bench/refactor_check.py run OUT [--work DIR] [--only demo,mcmc,...]
+    python bench/refactor_check.py run OUT [--work DIR] [--only demo,mcmc,...] [--code CHECKOUT]
     python bench/refactor_check.py compare OUT_A OUT_B
 
-Run ``run`` once on the code before the change (e.g. ``git worktree add --detach /tmp/base main`` and
-``PYTHONPATH=/tmp/base python /tmp/base/...``, or this script with ``--code /tmp/base``) and once after, on the
-same machine, then ``compare``. Timings are not compared: they depend on the machine's load.
+Run ``run`` once on the code before the change (``git worktree add --detach /tmp/base main``, then this script
+with ``--code /tmp/base``) and once after, on the same machine, then ``compare``. Start it from a folder outside
+both checkouts (e.g. ``cd /tmp``): the kernel precompile's helper processes import ``splatflow`` from the current
+folder first. Timings are not compared: they depend on the machine's load.
 """
 
 from __future__ import annotations
@@ -46,11 +48,11 @@ import torch  # noqa: E402
 
 # run name -> (steps, train overrides, stop_after); every run starts from seed 0
 VARIANTS = {
-    "demo": (600, {}, None),  # refines every 100 steps from 30 to 360, cuts at 360, 405 and 450
-    "resumed": (600, {}, 380),  # stopped after the first cut, before its judgement, then resumed
-    "mcmc": (200, {"densify.strategy": "mcmc", "densify.refine_every": 50, "prune_during.enabled": False}, None),
-    "dense": (200, {"sparse_step": False, "densify.refine_every": 50, "prune_during.enabled": False}, None),
-    "unordered": (200, {"spatial_order": False, "densify.refine_every": 50, "prune_during.enabled": False}, None),
+    "demo": (300, {}, None),  # refines at step 100, cuts at 180, 202 and 225, judges at 202, 225 and 248
+    "resumed": (300, {}, 190),  # stopped after the first cut, before its judgement, then resumed
+    "mcmc": (120, {"densify.strategy": "mcmc", "densify.refine_every": 50, "prune_during.enabled": False}, None),
+    "dense": (120, {"sparse_step": False, "densify.refine_every": 50, "prune_during.enabled": False}, None),
+    "unordered": (120, {"spatial_order": False, "densify.refine_every": 50, "prune_during.enabled": False}, None),
 }
 
 
