@@ -8,7 +8,7 @@ loop's other paths (3DGS-MCMC, the dense step, no spatial order, a run stopped m
 each run's final parameters (``<run>.pt``), its result (steps, stop reason, validation PSNRs, refine events, the
 prune_during report) and its training CSV without the seconds column (``<run>.json``) to ``OUT``. ``compare``
 then says, run by run, whether two such folders hold the same bits (``torch.equal`` on every tensor, equality of
-the JSON).
+the JSON but for timings).
 
     python bench/refactor_check.py run OUT [--work DIR] [--only demo,mcmc,...] [--code CHECKOUT]
     python bench/refactor_check.py compare OUT_A OUT_B
@@ -117,6 +117,15 @@ def run(out: Path, work: Path, only: list[str] | None) -> None:
               f"{res.train_seconds:.1f} s", flush=True)
 
 
+def _untimed(obj):
+    """``obj`` without its timings (keys ending in ``seconds``, e.g. a prune phase's ``score_seconds``)."""
+    if isinstance(obj, dict):
+        return {k: _untimed(v) for k, v in obj.items() if not k.endswith("seconds")}
+    if isinstance(obj, list):
+        return [_untimed(v) for v in obj]
+    return obj
+
+
 def compare(a: Path, b: Path) -> int:
     bad = 0
     names = sorted(p.stem for p in a.glob("*.json"))
@@ -128,7 +137,7 @@ def compare(a: Path, b: Path) -> int:
             print(f"{name}: missing in {b}")
             bad += 1
             continue
-        ja, jb = (json.loads((d / f"{name}.json").read_text()) for d in (a, b))
+        ja, jb = (_untimed(json.loads((d / f"{name}.json").read_text())) for d in (a, b))
         pa, pb = (torch.load(d / f"{name}.pt", weights_only=False) for d in (a, b))
         diff = [k for k in pa if k not in pb or pa[k].shape != pb[k].shape or not torch.equal(pa[k], pb[k])]
         jdiff = sorted(k for k in set(ja) | set(jb) if ja.get(k) != jb.get(k))
