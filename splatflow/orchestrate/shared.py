@@ -95,7 +95,7 @@ def publish(settings: dict[str, str]) -> None:
             if client.read_variable_by_name(var) is None:
                 client.create_variable(VariableCreate(name=var, value=settings[key]))
             else:
-                client.update_variable_by_name(var, VariableUpdate(name=var, value=settings[key]))
+                client.update_variable(VariableUpdate(name=var, value=settings[key]))
 
 
 def api_url(server: str) -> str:
