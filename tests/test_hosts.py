@@ -66,13 +66,13 @@ def make_user_project(root: Path, origin: Path) -> Path:
     params = {"base": {"scenes": {s: {"source": f"raw/{s}"} for s in SCENES}, "seed": 0},
               "one": {"steps": 3}, "two": {"steps": 2}}
     (root / "params.yaml").write_text(json.dumps(params, indent=1))
-    for s in SCENES:
-        (root / "raw" / s).mkdir(parents=True)
-        (root / "raw" / s / "capture.txt").write_text(f"scene {s}")
     (root / ".gitignore").write_text("/mlflow.db\n/mlartifacts/\n/.splatflow/\n/started\n")
     (root / "splatflow").symlink_to(REPO / "splatflow", target_is_directory=True)
     shutil.copytree(REPO / "flows", root / "flows", ignore=shutil.ignore_patterns("__pycache__"))
     init_repo(root, "toy project")
+    for s in SCENES:  # captures go to DVC, never to git
+        (root / "raw" / s).mkdir(parents=True)
+        (root / "raw" / s / "capture.txt").write_text(f"scene {s}")
     run([str(BIN / "dvc"), "add", *[f"raw/{s}" for s in SCENES]], root)
     run(["git", "add", "-A"], root)
     run(["git", "commit", "-qm", "raw captures in DVC"], root)
