@@ -116,9 +116,9 @@ def team(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("team")
     # The state folder lives outside pytest's (mode 0700) tmp folder: as root, PostgreSQL runs as the postgres
     # user, which must reach its data folder.
+    user = make_user_project(tmp / "user" / "project", tmp / "origin.git")
     state = Path(tempfile.mkdtemp(prefix="splatflow-shared-"))
     os.chmod(state, 0o755)
-    user = make_user_project(tmp / "user" / "project", tmp / "origin.git")
     pport, mport, gport = servers.free_port(), servers.free_port(), servers.free_port()
     serve_log = tmp / "serve.log"
     server_clone = tmp / "server" / "clone"  # the server host deploys from a clone of its own
