@@ -69,6 +69,8 @@ def make_user_project(root: Path, origin: Path) -> Path:
     (root / ".gitignore").write_text("/mlflow.db\n/mlartifacts/\n/.splatflow/\n/started\n")
     (root / "splatflow").symlink_to(REPO / "splatflow", target_is_directory=True)
     shutil.copytree(REPO / "flows", root / "flows", ignore=shutil.ignore_patterns("__pycache__"))
+    (root / "stages").mkdir()  # what the CLI recognises a project by (the toy's stage lives in fake_stage.py)
+    (root / "stages" / "__init__.py").write_text("")
     init_repo(root, "toy project")
     for s in SCENES:  # captures go to DVC, never to git
         (root / "raw" / s).mkdir(parents=True)
