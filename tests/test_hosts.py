@@ -78,7 +78,7 @@ def make_user_project(root: Path, origin: Path) -> Path:
     run([str(BIN / "dvc"), "add", *[f"raw/{s}" for s in SCENES]], root)
     run(["git", "add", "-A"], root)
     run(["git", "commit", "-qm", "raw captures in DVC"], root)
-    run(["git", "init", "-q", "--bare", str(origin)], root)
+    run(["git", "init", "-q", "--bare", "--initial-branch=main", str(origin)], root)  # clones check out main
     run(["git", "remote", "add", "origin", str(origin)], root)
     run(["git", "push", "-q", "origin", "HEAD:refs/heads/main"], root)
     return root
