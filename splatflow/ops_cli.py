@@ -261,6 +261,7 @@ def _serve_shared(pool: str, host: str, advertise: Optional[str], prefect_port: 
     _flows()  # the deployment is made from this clone's flows/ (the same on every host)
     state = (state_dir or shared.default_state_dir()).expanduser()
     typer.echo(f"starting PostgreSQL, Prefect and MLflow in {state} ...")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # during start-up: start_shared stops what it started
     stack = shared.start_shared(state, host=host, advertise=advertise, prefect_port=prefect_port,
                                 mlflow_port=mlflow_port, pg_port=pg_port, dvc_remote=dvc_remote)
     stop = {"now": False}
