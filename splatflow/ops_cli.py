@@ -23,7 +23,7 @@ import typer
 
 from splatflow.config import ConfigError, load_params
 from splatflow.errors import UserError
-from splatflow.orchestrate import servers
+from splatflow.orchestrate import servers, shared
 from splatflow.orchestrate.plots import render_csv_png
 from splatflow.orchestrate.rerun import rerun_commit
 from splatflow.orchestrate.dvcrun import check_sources
@@ -255,7 +255,7 @@ def serve(pool: str = typer.Option("splatflow", help="process work pool name"),
 def _serve_shared(pool: str, host: str, advertise: Optional[str], prefect_port: int, mlflow_port: int, pg_port: int,
                   state_dir: Optional[Path], dvc_remote: Optional[str]) -> None:
     """``serve --shared``: the shared services until Ctrl-C or SIGTERM (docs/orchestration.md, "Hosts")."""
-    from splatflow.orchestrate import hosts, shared
+    from splatflow.orchestrate import hosts  # lazy: MLflow (hosts imports splatflow.tracking)
 
     _quiet_env()
     _flows()  # the deployment is made from this clone's flows/ (the same on every host)
@@ -313,8 +313,6 @@ def worker_cmd(server: str = typer.Option(..., help="the Prefect server of `spla
                                                  "per GPU"),
                pool: str = typer.Option("splatflow", help="work pool")):
     """Join the shared services as a worker host: take scene runs of `splatflow batch --hosts` until Ctrl-C."""
-    from splatflow.orchestrate import servers, shared
-
     _quiet_env()
     clone = shared.check_clone(clone)
     settings = shared.join_settings(server)
@@ -376,7 +374,7 @@ def batch_cmd(scenes: Optional[list[str]] = typer.Argument(None, help="scenes (d
                   sources=False)
     deployment = None if local else SCENE_DEPLOYMENT
     if hosts_:
-        from splatflow.orchestrate import hosts
+        from splatflow.orchestrate import hosts  # lazy: MLflow (hosts imports splatflow.tracking)
 
         if local:
             raise UserError("--hosts and --local exclude each other: --hosts runs the scenes on worker hosts")

@@ -27,17 +27,25 @@ Addresses come from the environment or a config file (:func:`shared_settings`), 
 
 from __future__ import annotations
 
+import contextlib
+import datetime as dt
 import hashlib
 import os
 import shutil
+import socket
 import subprocess
 import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import yaml
 
+from splatflow import tracking
 from splatflow.errors import UserError
+from splatflow.orchestrate import dvcrun
+from splatflow.orchestrate.workspace import workspace_lock
 
 #: The artifact folder of a host's scene run that holds its lock entries and uncached outputs.
 RESULTS_DIR = "splatflow-results"
@@ -90,8 +98,6 @@ def write_shared_settings(settings: dict[str, str], path: Optional[Path] = None)
 
 def _run(cmd: list[str], cwd: Path, what: str, env: Optional[dict] = None,
          on_line: Optional[Callable[[str], None]] = None) -> str:
-    from splatflow.orchestrate import dvcrun
-
     p = subprocess.run(cmd, cwd=str(cwd), env=env or dvcrun.stage_env(), capture_output=True, text=True)
     out = (p.stdout + p.stderr).strip()
     if on_line is not None:
@@ -121,8 +127,6 @@ def enter_host_clone(**_: Any) -> dict[str, str]:
 def host_name() -> str:
     """This host's name in runs and summaries: ``SPLATFLOW_HOST_NAME`` (set by ``splatflow worker --name``), else the
     machine's hostname."""
-    import socket
-
     return os.environ.get("SPLATFLOW_HOST_NAME") or socket.gethostname()
 
 
@@ -153,8 +157,6 @@ def use_remote(root: Path, url: str) -> None:
 
 
 def _dvc() -> str:
-    from splatflow.orchestrate import dvcrun
-
     return dvcrun.dvc_executable()
 
 
@@ -285,7 +287,7 @@ def ignore_outputs(root: Path, stages: list[str]) -> None:
                     out.ignore()
 
 
-_collect_lock = __import__("threading").Lock()
+_collect_lock = threading.Lock()
 
 
 def collect_scene(main_root: Path, flow_run_id: str, scene: str,
@@ -293,10 +295,6 @@ def collect_scene(main_root: Path, flow_run_id: str, scene: str,
     """The user's side of one finished host scene run (its Prefect flow run ``flow_run_id``): find its MLflow run,
     :func:`collect_results` into ``main_root`` as the checkout's only writer (scene by scene), and say where and how
     long it ran."""
-    from splatflow import tracking
-    from splatflow.orchestrate import dvcrun
-    from splatflow.orchestrate.workspace import workspace_lock
-
     cl = tracking.client()
     exps = [e.experiment_id for e in cl.search_experiments()]
     runs = cl.search_runs(exps, filter_string=f"tags.`prefect.flow_run_id` = '{flow_run_id}'",
@@ -316,8 +314,6 @@ def collect_scene(main_root: Path, flow_run_id: str, scene: str,
 # --- a host that disappears -----------------------------------------------------------------------------------------
 
 def _mlflow_run_of(flow_run_id: str):
-    from splatflow import tracking
-
     cl = tracking.client()
     exps = [e.experiment_id for e in cl.search_experiments()]
     runs = cl.search_runs(exps, filter_string=f"tags.`prefect.flow_run_id` = '{flow_run_id}'")
@@ -343,8 +339,6 @@ def worker_alive(workers: list, name: str) -> bool:
     """Whether the pool's worker ``name`` still heartbeats: Prefect workers report every
     ``heartbeat_interval_seconds``; three missed reports (what Prefect's own OFFLINE status waits for) mean the
     host is gone.  A name the pool does not know counts as gone too."""
-    import datetime as dt
-
     for w in workers:
         if w.name == name:
             if w.last_heartbeat_time is None:
@@ -362,7 +356,7 @@ def abandon(client: Any, flow_run_id: Any, host: str, on_line: Callable[[str], N
 
     why = f"host {host} stopped heartbeating while it ran this scene"
     client.set_flow_run_state(flow_run_id, Crashed(message=f"crashed: {why}"), force=True)
-    with __import__("contextlib").suppress(Exception):
+    with contextlib.suppress(Exception):
         cl, run = _mlflow_run_of(str(flow_run_id))
         if run is not None and run.info.status == "RUNNING":
             cl.set_tag(run.info.run_id, "splatflow.lost_host", host)
@@ -375,8 +369,6 @@ def run_on_hosts(deployment: str, parameters: dict[str, Any], flow_run_name: str
     """Start the scene through ``deployment`` and wait for it; when the host running it stops heartbeating, end that
     run (:func:`abandon`) and start the scene again, for another worker of the pool to take, up to ``attempts``
     times.  Returns the last flow run and the number of attempts made."""
-    import time
-
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Optional
 
 from splatflow.errors import UserError
+from splatflow.orchestrate.servers import port_in_use
 
 ROLE = "splatflow"
 DATABASES = ("prefect", "mlflow")
@@ -148,8 +149,6 @@ def start(data: Path, *, host: str = "127.0.0.1", port: int = 5432, password: st
             raise PostgresError(f"initdb of {data} failed: {(p.stderr or p.stdout).strip()[-1500:]}; if the "
                                 f"folder's parents are not readable by the `postgres` user, choose another "
                                 f"--state-dir")
-    from splatflow.orchestrate.servers import port_in_use
-
     if port_in_use(port, host):
         raise PostgresError(f"port {port} on {host} is in use: stop what runs there or pass another --pg-port")
     log = Path(log or data.parent / "postgres.log")
