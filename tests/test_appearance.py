@@ -95,7 +95,7 @@ def test_varied_exposures_train_a_better_splat_and_the_transforms_find_them(expo
     comp = tr.run()
     p0 = test_view_psnr(plain.splats, exposed_scene.test_views, plain.sh_degree)
     p1 = test_view_psnr(comp.splats, exposed_scene.test_views, comp.sh_degree)
-    assert p1 > p0 + 1.0, (p0, p1)
+    assert p1 > p0 + 0.5, (p0, p1)
     # the learnt gain of each training view (mean of its matrix's diagonal) follows the exposure it was given
     names = [v.name for v in tr.views]
     order = sorted(v.name for v in exposed_scene.train_views + exposed_scene.test_views)
