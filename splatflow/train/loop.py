@@ -32,6 +32,7 @@ from splatflow.errors import UserError
 from splatflow.model import SPLAT_KEYS, Checkpoint, Splats, init_splats, scene_scale
 from splatflow.scene.images import ImageCache
 from splatflow.train import checkpoint, optim
+from splatflow.train import hooks as train_hooks
 from splatflow.train.prune_during import PruneDuring
 from splatflow.train.rng import RunRNG
 from splatflow.train.rows import reorder_spatially, spatial_order
@@ -94,12 +95,13 @@ class Trainer:
     ``splats`` (optional) starts from given parameters instead of the SfM points (fine-tuning);
     ``densify=False`` switches the strategy off; ``schedules`` overrides the ones built from ``cfg``.
     ``stop_after`` ends the run early at that step with a resumable checkpoint (tests, SIGTERM drills).
+    ``hooks`` watch the run after every step (:mod:`splatflow.train.hooks`; the live viewer).
     """
 
     def __init__(self, scene, cfg: TrainConfig, *, ckpt_path: str | Path | None = None,
                  csv_path: str | Path | None = None, seed: int = 0, splats: dict | None = None,
                  densify: bool = True, schedules: Schedules | None = None, stop_after: int | None = None,
-                 step_logger=None):
+                 step_logger=None, hooks=()):
         if not scene.train_views:
             raise UserError("no training views: the split left every view in the test set; check data/<scene>/"
                             "split.json and the split params")
@@ -107,6 +109,7 @@ class Trainer:
         self.ckpt_path = Path(ckpt_path) if ckpt_path else None
         self.sink = MetricsSink(csv_path, step_logger)  # plots/S/train.csv, the log and the tracking step logger
         self.stop_after = stop_after
+        self.hooks = list(hooks)  # watchers of the run (splatflow.train.hooks): they read, never change it
         self.compile_seconds: float | None = None  # set by run() when it compiled the CPU kernels first
         self.loss_fn: Callable = photometric_loss
         self.views = list(scene.train_views)
@@ -442,6 +445,7 @@ class Trainer:
                                           "psnr": f"{row['psnr']:.2f}"}, refresh=False)
                 if pbar is not None:
                     pbar.update(1)
+                train_hooks.after_step(self.hooks, self, row)
                 if reason:
                     stopped = reason
                     break
