@@ -39,8 +39,15 @@ def run(params: Params, paths: ScenePaths) -> dict:
     scene, resolution = load_working_scene(params, paths)
     print(f"train [{paths.scene}]: {describe(resolution)}")
     cfg = params.train
-    res = train(scene, cfg, ckpt_path=paths.train_ckpt, csv_path=paths.train_csv, seed=params.base.seed,
-                step_logger=_step_logger())
+    from splatflow import live_view
+
+    hooks = live_view.from_env(paths)  # `splatflow run --view`: the splat being trained in the browser
+    try:
+        res = train(scene, cfg, ckpt_path=paths.train_ckpt, csv_path=paths.train_csv, seed=params.base.seed,
+                    step_logger=_step_logger(), hooks=hooks)
+    finally:
+        for hook in hooks:
+            hook.close()
     if stop.is_stop_label(res.stopped):
         # Not a finished stage: exit 143 so DVC records nothing and MLflow marks the run KILLED; the checkpoint
         # lets the next run resume.
