@@ -1,0 +1,65 @@
+"""`splatflow run` is a Prefect flow run: a tiny scene's run shows in a real Prefect server as a ``reconstruct`` flow
+run with one task per DVC stage, and a stage DVC skipped is marked (state ``Skipped``), also in the UI as headless
+Chromium sees it. The terminal keeps DVC's own output, and ``--view`` reaches the train stage."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import _chromium
+from tests._project import BIN, TINY_PARAMS, make_project, project_env, run
+
+pytestmark = pytest.mark.slow
+
+
+def _task_runs(client, flow_run_id) -> list:
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    return client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+
+
+def test_run_shows_in_prefect_with_skipped_stages_marked(stack, tmp_path):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    from splatflow.orchestrate import servers
+    from splatflow.orchestrate.dvcrun import stage_order
+
+    root = make_project(tmp_path / "p", overrides=TINY_PARAMS)
+    env = {**project_env(), "PREFECT_API_URL": stack["api"], "MLFLOW_TRACKING_URI": stack["mlflow"].url,
+           "SPLATFLOW_TRACKING": "on"}
+    stages = stage_order(root, "tiny")
+    cli = str(BIN / "splatflow")
+
+    first = run([cli, "run", "tiny", "--view", "--view-port", str(servers.free_port())], root, env=env)
+    assert "$ dvc repro --single-item train@tiny" in first.stdout  # DVC's own output, as `splatflow run` showed
+    assert "Running stage 'train@tiny'" in first.stdout
+    assert "live view: open http://127.0.0.1:" in first.stdout, first.stdout[-3000:]
+    assert f"{len(stages)} stages ran, 0 up to date" in first.stdout
+    assert "Task run" not in first.stdout + first.stderr, "Prefect's log lines repeat the stages' output"
+
+    second = run([cli, "run", "tiny"], root, env=env)
+    assert f"0 stages ran, {len(stages)} up to date" in second.stdout
+    assert f"{stack['prefect'].url}/runs/flow-run/" in second.stdout
+
+    with get_client(sync_client=True) as client:
+        flow_runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["reconstruct"])),
+                                          sort=FlowRunSort.START_TIME_ASC)
+        assert len(flow_runs) == 2 and all(fr.state.is_completed() for fr in flow_runs)
+        ran, skipped = (_task_runs(client, fr.id) for fr in flow_runs)
+    assert sorted(t.name for t in ran) == sorted(stages) == sorted(t.name for t in skipped)
+    assert {t.state.name for t in ran} == {"Completed"}, "a fresh project: every stage ran"
+    assert {t.state.name for t in skipped} == {"Skipped"}, "nothing changed: DVC skipped every stage"
+    assert all(t.state.is_completed() for t in skipped)  # skipped is a way of finishing: the flow goes on
+
+    if _chromium.find() is None:
+        pytest.skip(_chromium.SKIP_REASON)
+    train = next(t for t in skipped if t.name == "train@tiny")
+    page = f"{stack['prefect'].url}/runs/task-run/{train.id}"
+    dom = _chromium.dump_dom_until(page, lambda d: "train@tiny" in d and "Skipped" in d)
+    assert "train@tiny" in dom and "Skipped" in dom, "the Prefect UI does not show the stage as skipped"
+    ran_train = next(t for t in ran if t.name == "train@tiny")
+    dom = _chromium.dump_dom_until(f"{stack['prefect'].url}/runs/task-run/{ran_train.id}",
+                                   lambda d: "train@tiny" in d and "Completed" in d)
+    assert "Completed" in dom and "Skipped" not in dom
