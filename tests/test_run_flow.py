@@ -4,6 +4,8 @@ Chromium sees it. The terminal keeps DVC's own output, and ``--view`` reaches th
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tests import _chromium
@@ -12,10 +14,18 @@ from tests._project import BIN, TINY_PARAMS, make_project, project_env, run
 pytestmark = pytest.mark.slow
 
 
-def _task_runs(client, flow_run_id) -> list:
+def _task_runs(client, flow_run_id, n: int, timeout_s: float = 120) -> list:
+    """The flow run's task runs once all ``n`` are recorded in a final state (the server records task runs from
+    the events the client sends, a moment after the flow run returns)."""
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
-    return client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    deadline = time.monotonic() + timeout_s
+    while True:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+        if (len(runs) >= n and all(t.state is not None and t.state.is_final() for t in runs)) \
+                or time.monotonic() > deadline:
+            return runs
+        time.sleep(1)
 
 
 def test_run_shows_in_prefect_with_skipped_stages_marked(stack, tmp_path):
@@ -47,7 +57,7 @@ def test_run_shows_in_prefect_with_skipped_stages_marked(stack, tmp_path):
         flow_runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["reconstruct"])),
                                           sort=FlowRunSort.START_TIME_ASC)
         assert len(flow_runs) == 2 and all(fr.state.is_completed() for fr in flow_runs)
-        ran, skipped = (_task_runs(client, fr.id) for fr in flow_runs)
+        ran, skipped = (_task_runs(client, fr.id, len(stages)) for fr in flow_runs)
     assert sorted(t.name for t in ran) == sorted(stages) == sorted(t.name for t in skipped)
     assert {t.state.name for t in ran} == {"Completed"}, "a fresh project: every stage ran"
     assert {t.state.name for t in skipped} == {"Skipped"}, "nothing changed: DVC skipped every stage"

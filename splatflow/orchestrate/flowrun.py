@@ -76,7 +76,7 @@ def run_scenes(root: Path, scenes: list[str], *, force: bool,
 
     if str(root) not in sys.path:  # the flows come from the project that runs, not from the cwd
         sys.path.insert(0, str(root))
-    from flows.reconstruct import SKIPPED, reconstruct
+    from flows.reconstruct import reconstruct
 
     outcomes = []
     for scene in scenes:
@@ -95,8 +95,9 @@ def run_scenes(root: Path, scenes: list[str], *, force: bool,
         out.state = state.name or state.type.value
         out.flow_run_id = str(state.state_details.flow_run_id) if state.state_details.flow_run_id else None
         out.flow_run_name = _flow_run_name(out.flow_run_id)
-        _collect_tasks(out, SKIPPED)
         if state.is_completed():
+            for stage in state.result().get("stages") or []:  # the stage tasks' results, in order
+                (out.skipped if stage["skipped"] else out.ran).append(stage["stage"])
             where = ui_url(out.flow_run_id) if out.flow_run_id else None
             say(f"{scene}: Prefect flow run {out.flow_run_name or out.flow_run_id} ({state.name}): "
                 f"{len(out.ran)} stage{'s' * (len(out.ran) != 1)} ran, {len(out.skipped)} up to date"
@@ -123,17 +124,3 @@ def _flow_run_name(flow_run_id: str | None) -> str | None:
         return client.read_flow_run(flow_run_id).name
     return None
 
-
-def _collect_tasks(out: SceneOutcome, skipped_name: str) -> None:
-    """Which stage tasks of the flow run ran and which DVC skipped (their Completed state's name)."""
-    if not out.flow_run_id:
-        return
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, TaskRunFilter
-
-    with contextlib.suppress(Exception), get_client(sync_client=True) as client:
-        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[out.flow_run_id])),
-                                     task_run_filter=TaskRunFilter())
-        for tr in sorted(runs, key=lambda t: t.expected_start_time or t.created):
-            if tr.state is not None and tr.state.is_completed():
-                (out.skipped if tr.state.name == skipped_name else out.ran).append(tr.name)
