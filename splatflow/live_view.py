@@ -24,7 +24,7 @@ from splatflow.errors import UserError
 
 ENV = "SPLATFLOW_LIVE_VIEW"  # host:port to serve the live view on (unset: no live view)
 ENV_EVERY = "SPLATFLOW_LIVE_VIEW_EVERY_S"  # seconds between two refreshes
-EVERY_S = 5.0  # measured: < 1 % of training time on 2 cores for the demo (bench/live_view.py)
+EVERY_S = 5.0  # seconds between two refreshes; its cost to training speed: bench/live_view.py
 DEFAULT_ADDRESS = "127.0.0.1:8080"
 
 
