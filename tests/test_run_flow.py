@@ -73,3 +73,21 @@ def test_run_shows_in_prefect_with_skipped_stages_marked(stack, tmp_path):
     dom = _chromium.dump_dom_until(f"{stack['prefect'].url}/runs/task-run/{ran_train.id}",
                                    lambda d: "train@tiny" in d and "Completed" in d)
     assert "Completed" in dom and "Skipped" not in dom
+
+
+def test_run_without_a_reachable_prefect_api_still_runs_the_stages(tmp_path):
+    """A Prefect API that does not answer (a server gone, an ephemeral one that did not start in time on a loaded
+    machine) must not stop the pipeline: the stages run with DVC alone, and the run says so in one line."""
+    from splatflow.orchestrate import servers
+
+    # no images: DVC runs settings, then ingest stops at once on the empty folder -- enough to see who ran them
+    root = make_project(tmp_path / "p", generate=False)
+    (root / "data" / "raw" / "tiny" / "images").mkdir(parents=True)
+    env = {**project_env(), "PREFECT_API_URL": f"http://127.0.0.1:{servers.free_port()}/api",
+           "PREFECT_CLIENT_MAX_RETRIES": "0", "SPLATFLOW_TRACKING": "off"}
+    r = run([str(BIN / "splatflow"), "run", "tiny"], root, env=env, check=False, timeout=600)
+    out = r.stdout + r.stderr
+    assert "tiny: Prefect's API is not available" in out and "running the stages with DVC alone" in out, out
+    assert "$ dvc repro settings@tiny ingest@tiny" in r.stdout, out
+    assert "Running stage 'settings@tiny'" in out and "ingest" in out
+    assert r.returncode not in (0, 2, 3) and "Traceback" not in out, out  # the failed stage's status, as dvc's

@@ -92,6 +92,15 @@ def run_scenes(root: Path, scenes: list[str], *, force: bool,
         except TerminationSignal:
             out.returncode, out.state = 143, "Crashed"
             break
+        except Exception as e:  # noqa: BLE001 - with return_state, only Prefect's own machinery raises here
+            # No Prefect API (an ephemeral server that did not start in time on a loaded machine, a server that
+            # went away): the stages still run, with DVC alone, as before there was a flow; DVC skips what ran.
+            say(f"{scene}: Prefect's API is not available ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                "running the stages with DVC alone: this run does not show in Prefect")
+            out.returncode, out.state = _with_dvc_alone(root, scene, force), "DVC alone"
+            if out.returncode:
+                break
+            continue
         out.state = state.name or state.type.value
         out.flow_run_id = str(state.state_details.flow_run_id) if state.state_details.flow_run_id else None
         out.flow_run_name = _flow_run_name(out.flow_run_id)
@@ -124,3 +133,13 @@ def _flow_run_name(flow_run_id: str | None) -> str | None:
         return client.read_flow_run(flow_run_id).name
     return None
 
+
+
+def _with_dvc_alone(root: Path, scene: str, force: bool) -> int:
+    """``dvc repro`` of the scene's stages in the foreground (a stop passed on to the stage); its exit status."""
+    from splatflow.orchestrate.dvcrun import dvc_executable, stage_env, stage_order
+    from splatflow.orchestrate.workspace import run_foreground
+
+    cmd = [dvc_executable(), "repro", *stage_order(root, scene)] + (["--force"] if force else [])
+    print("$ " + " ".join(["dvc", *cmd[1:]]), flush=True)
+    return run_foreground(cmd, root, stage_env())
