@@ -10,8 +10,19 @@ the run's time; the profiler adds a little). ``--set key=value`` overrides a ``t
 ``bench/train_demo.py``), e.g. to measure GPU-sized settings. On a machine without a GPU it says so and exits 0
 without figures (so a CPU-only CI can call it).
 
+``--peer-gsplat PATH`` compares with gsplat's own trainer on the same GPU: ``PATH/examples/simple_trainer.py``
+of a user's gsplat checkout (run by ``--peer-python``, the environment where its examples/requirements.txt is
+installed) trains ``--peer-steps`` steps on the same scene (``--scene DIR``: an undistorted COLMAP folder with
+``images/`` and a PINHOLE ``sparse/`` model, such as a pipeline's ``data/S/undistorted``; default the benchmark
+scene), the same split (every 8th name-sorted view held out) and the same pixels (``--max-side``), written for it
+by :mod:`bench.peer_gsplat`. Both runs are evaluated on the test views at ``--curve-points`` points (evaluation
+time left out of both clocks); the script prints both PSNR/SSIM/LPIPS-vs-time curves and the time ratio at equal
+PSNR. Its checks of the checkout and the peer's interpreter run before anything is trained.
+
     python bench/gpu.py [--work DIR] [--json PATH] [--max-steps N] [--set KEY=VALUE ...] [--compare-cpu]
                         [--cpu-steps 1000] [--profile-at 5210 --profile-steps 40]
+                        [--peer-gsplat PATH [--peer-python PY] [--scene DIR] [--max-side PX]
+                         [--peer-steps 30000] [--curve-points 8] [--peer-timeout S]]
 """
 
 from __future__ import annotations
@@ -36,10 +47,19 @@ import torch  # noqa: E402
 
 
 @torch.no_grad()
+
+def print_busy_share(prof: dict, args, what: str) -> float:
+    """Print the profiled steps' time and the GPU's busy share of it; return that share (3 decimals)."""
+    busy = prof["profile_gpu_busy_ms_per_step"] / max(prof["profile_wall_ms_per_step"], 1e-9)
+    print(f"profile of {what} {args.profile_at}..{args.profile_at + args.profile_steps - 1}: "
+          f"{prof['profile_wall_ms_per_step']} ms per step, GPU busy {prof['profile_gpu_busy_ms_per_step']} ms "
+          f"({100 * busy:.0f} % of the step)")
+    return round(busy, 3)
+
 def test_psnr_on(splats, sh_degree, views, device) -> list[float]:
     """Per-view test PSNR, rendering on ``device`` (one image pair there at a time)."""
     from splatflow.model import Splats, render_view
-    from splatflow.scene.images import read_rgb
+    from splatflow.scene.pixels import read_rgb
 
     splats = Splats.of(splats).to(device)
     out = []
@@ -89,6 +109,153 @@ def profile_steps(trainer, at: int, n: int, report: dict) -> None:
     trainer.train_step = wrapped
 
 
+def curve_steps(max_steps: int, points: int) -> list[int]:
+    """``points`` step counts (1-based) spread over a run of ``max_steps``, geometric (time-to-quality curves
+    rise fastest early), the last one ``max_steps``."""
+    points = max(1, int(points))
+    first = max(1, max_steps // 2 ** (points - 1)) if points > 1 else max_steps
+    out = sorted({int(round(first * (max_steps / first) ** (i / max(points - 1, 1)))) for i in range(points)})
+    return sorted(set(out[:-1] + [max_steps]))
+
+
+class CurveRecorder:
+    """Evaluates a trainer's model on the test views after the steps in ``at`` (1-based counts) and keeps
+    ``{step, seconds, psnr, ssim, lpips, gaussians}``; ``seconds`` is the time since the first step began minus
+    the evaluations before (the GPU is synchronised around each, so queued work is counted where it ran)."""
+
+    def __init__(self, trainer, views, at: list[int], lpips=None):
+        self.trainer, self.views, self.at, self.lpips = trainer, views, set(at), lpips
+        self.points: list[dict] = []
+        self.t0: float | None = None
+        self.eval_s = 0.0
+        step_fn = trainer.train_step
+
+        def wrapped():
+            if self.t0 is None:
+                self.t0 = time.perf_counter()
+            row = step_fn()
+            if trainer.step + 1 in self.at:
+                self.record(trainer.step + 1)
+            return row
+
+        trainer.train_step = wrapped
+
+    @torch.no_grad()
+    def record(self, step: int) -> None:
+        from splatflow.metrics import psnr, ssim
+        from splatflow.model import Splats, render_view
+        from splatflow.scene.resolution import read_view_rgb
+
+        tr = self.trainer
+        if tr.device.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        seconds = t - self.t0 - self.eval_s
+        tr.flush()
+        splats = Splats.of(tr.params).detach()
+        deg = tr.sched.sh.degree(step - 1)
+        backend = "cuda" if tr.device.type == "cuda" else "cpu"
+        ps, ss, ls = [], [], []
+        for v in self.views:
+            gt = torch.from_numpy(read_view_rgb(v)).to(tr.device).float() / 255.0  # [H, W, 3]
+            rgb = render_view(splats, v, deg, backend)  # [H, W, 3] clamped to [0, 1]
+            ps.append(psnr(rgb, gt))
+            ss.append(ssim(rgb, gt))
+            if self.lpips is not None:
+                ls.append(self.lpips(rgb.permute(2, 0, 1)[None], gt.permute(2, 0, 1)[None])["lpips_alex"])
+        self.points.append({"step": step, "seconds": round(seconds, 3), "psnr": float(np.mean(ps)),
+                            "ssim": float(np.mean(ss)),
+                            "lpips": float(np.mean(ls)) if ls and None not in ls else None,
+                            "gaussians": int(splats.n)})
+        if tr.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.eval_s += time.perf_counter() - t
+
+
+def load_bench_scene(scene_dir: Path | None, work: Path, threads: int, max_side: int | None):
+    """The comparison's scene: ``scene_dir`` (an undistorted COLMAP folder) or the benchmark scene, split every
+    8th name-sorted view (simple_trainer's rule), at most ``max_side`` px on its longest side."""
+    from bench.train_demo import prepare
+    from splatflow.config import ResolutionConfig, SplitConfig
+    from splatflow.scene.dataset import load_scene
+    from splatflow.scene.resolution import apply_resolution
+    from splatflow.scene.split import write_split
+
+    if scene_dir is None:
+        scene_dir, _, _ = prepare(work, threads)
+    split_json = work / "peer_split.json"
+    write_split(scene_dir, split_json, SplitConfig(rule="every_nth", every_n=8))
+    scene = load_scene(scene_dir, split_json)
+    return apply_resolution(scene, ResolutionConfig(max_side_px=max_side, default_max_side_px=1600))
+
+
+def peer_compare(args, cfg, dev, out: dict) -> None:
+    """``--peer-gsplat``: splatflow and simple_trainer on the same scene and GPU; figures into ``out``."""
+    from bench import peer_gsplat as pg
+    from splatflow.lpips import LpipsSet
+    from splatflow.train import Trainer
+
+    import shutil
+
+    scene, res_info = load_bench_scene(args.scene, args.work, args.threads, args.max_side)
+    data, result = args.work / "peer_data", args.work / "peer_result"
+    for d in (data, result):  # an earlier comparison's files would mix into this one's
+        shutil.rmtree(d, ignore_errors=True)
+    info = pg.write_peer_dataset(scene, data)
+    print(f"comparison scene: {len(scene.train_views)} train / {len(scene.test_views)} test views at "
+          f"{', '.join(info['sizes'])} ({res_info['image_source']}); simple_trainer's dataset in {data}", flush=True)
+    lp = LpipsSet(["lpips_alex"]).to(dev.device)
+    lpips = lp if lp.models.get("alex") is not None else None
+    if lpips is None:
+        print(f"LPIPS (AlexNet, [-1, 1]) for splatflow's curve: n/a, {lp.reason('lpips_alex')}")
+    ckpt = args.work / "peer_ours_ckpt.pt"
+    ckpt.unlink(missing_ok=True)
+    trainer = Trainer(scene, cfg, ckpt_path=ckpt, seed=0)
+    rec = CurveRecorder(trainer, scene.test_views, curve_steps(cfg.max_steps, args.curve_points), lpips)
+    prof: dict = {}
+    if args.peer_only and args.profile_at is not None:
+        profile_steps(trainer, args.profile_at, args.profile_steps, prof)
+    res = trainer.run()
+    if not rec.points or rec.points[-1]["step"] != res.steps:  # stopped early (plateau): its end is a point too
+        rec.record(res.steps)
+    ours = rec.points
+    print(pg.curve_table("splatflow", ours), flush=True)
+    if prof:
+        prof["profile_gpu_busy_share"] = print_busy_share(prof, args, "splatflow's steps")
+        out.update(prof)
+    cmd = pg.peer_command(args.peer_root, args.peer_python, data, result, args.peer_steps,
+                          curve_steps(args.peer_steps, args.curve_points))
+    print(f"running simple_trainer ({args.peer_steps} steps; log {args.work / 'peer.log'}):\n  {' '.join(cmd)}",
+          flush=True)
+    rc = pg.run_peer(cmd, args.peer_root / "examples", result, args.work / "peer.log", args.peer_timeout)
+    if rc != 0:
+        print(f"simple_trainer exited with {rc}: see {args.work / 'peer.log'}; its curve so far, if any:")
+    peer = pg.read_peer_curve(result)
+    print(pg.curve_table("gsplat simple_trainer", peer))
+    cmp = pg.compare(ours, peer)
+    print(f"at simple_trainer's final {cmp['peer_final_psnr']:.2f} dB ({cmp['peer_seconds']:.1f} s): splatflow "
+          + ("never reached it" if cmp["ours_seconds_to_peer_final_psnr"] is None else
+             f"{cmp['ours_seconds_to_peer_final_psnr']:.1f} s, time ratio {cmp['time_ratio_at_peer_final_psnr']}")
+          + f"; splatflow ends at {cmp['ours_final_psnr']:.2f} dB ({cmp['final_psnr_gain_db']:+.2f} dB) in "
+          f"{cmp['ours_seconds']:.1f} s; at the highest PSNR both reach ({cmp['highest_common_psnr']:.2f} dB) the "
+          f"time ratio is {cmp['time_ratio_at_highest_common_psnr']}")
+    out.update(peer={"scene": str(args.scene or "benchmark scene"), "sizes": info["sizes"],
+                     "resolution": res_info, "peer_steps": args.peer_steps, "peer_exit": rc, "ours_curve": ours,
+                     "peer_curve": peer, "lpips_variant": "lpips_alex (AlexNet, [-1, 1]; gsplat's)", **cmp})
+
+
+def _peer_or_exit(args, cfg, dev, out: dict) -> None:
+    """:func:`peer_compare`, a bad scene or peer output reported in one line (exit 2) instead of a traceback."""
+    from bench.peer_gsplat import PeerError
+    from splatflow.errors import UserError
+
+    try:
+        peer_compare(args, cfg, dev, out)
+    except (PeerError, UserError) as e:
+        print(f"bench/gpu.py: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--work", type=Path, default=Path("/tmp/splatflow_gpu_bench"))
@@ -100,12 +267,50 @@ def main(argv=None) -> dict:
     ap.add_argument("--set", action="append", default=[], help="override a train param, e.g. patch_max_pixels=0")
     ap.add_argument("--profile-at", type=int, help="profile the run's steps from this one (see above)")
     ap.add_argument("--profile-steps", type=int, default=40)
+    ap.add_argument("--peer-gsplat", type=Path, metavar="PATH", help="a gsplat checkout: compare with its "
+                    "examples/simple_trainer.py (see above)")
+    ap.add_argument("--peer-python", default=None, help="the interpreter that runs simple_trainer (default: "
+                    "$PEER_PYTHON, else this one)")
+    ap.add_argument("--scene", type=Path, help="undistorted COLMAP folder for --peer-gsplat (default: the "
+                    "benchmark scene)")
+    ap.add_argument("--max-side", type=int, default=None, help="longest image side for --peer-gsplat, px")
+    ap.add_argument("--peer-steps", type=int, default=30_000)
+    ap.add_argument("--curve-points", type=int, default=8)
+    ap.add_argument("--peer-timeout", type=float, default=3600.0, help="seconds before the peer is stopped")
+    ap.add_argument("--peer-only", action="store_true", help="with --peer-gsplat: only the comparison, not the "
+                    "default run on the benchmark scene")
     args = ap.parse_args(argv)
+
+    if args.peer_gsplat is not None:  # bad arguments are reported before anything else, with or without a GPU
+        from bench import peer_gsplat as pg
+
+        try:
+            args.peer_root = pg.check_checkout(args.peer_gsplat)
+            if args.scene is not None and not (args.scene / "images").is_dir():
+                raise pg.PeerError(f"--scene {args.scene}: no images/ folder; pass an undistorted COLMAP folder "
+                                   "(images/ and a PINHOLE sparse/ model, e.g. data/<scene>/undistorted)")
+            for name in ("peer_steps", "curve_points"):
+                if getattr(args, name) < 1:
+                    raise pg.PeerError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least 1")
+        except pg.PeerError as e:
+            print(f"bench/gpu.py: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+        args.peer_python = args.peer_python or pg.default_python()
 
     if not torch.cuda.is_available():
         print(f"bench/gpu.py: no CUDA GPU on this machine (torch {torch.__version__}, "
               f"torch.cuda.is_available() is False): nothing to measure.")
         return {}
+    if args.peer_gsplat is not None:  # before any training: the peer's environment is the likeliest to be wrong
+        from bench import peer_gsplat as pg
+
+        missing = pg.missing_modules(args.peer_python)
+        if missing:
+            print(f"bench/gpu.py: --peer-python {args.peer_python} cannot import {', '.join(missing)}: install "
+                  f"{args.peer_root / 'examples' / 'requirements.txt'} into it (its pycolmap is the fork with "
+                  "SceneManager, which needs an environment of its own), or pass another --peer-python",
+                  file=sys.stderr)
+            raise SystemExit(2)
 
     from bench.train_demo import prepare, train_config
     from splatflow.device import check_gsplat_cuda, reset_peak_memory, resolve, run_record
@@ -128,6 +333,16 @@ def main(argv=None) -> dict:
     print(f"{torch.cuda.get_device_name(dev.device)}: {len(scene.train_views)} train / {len(scene.test_views)} "
           f"test views, {cfg.max_steps} steps, strategy {cfg.densify.strategy}"
           f"{' with ' + ', '.join(args.set) if args.set else ''}; gsplat kernels loaded in {jit_s:.1f} s", flush=True)
+    if args.peer_only:  # the comparison alone (a lent GPU's time is short)
+        rec = run_record(dev)
+        out = {k: rec[k] for k in ("device_name", "torch", "gsplat", "cuda")}
+        _peer_or_exit(args, cfg, dev, out)
+        rec = run_record(dev)
+        out.update(gpu_peak_allocated_mib=rec["gpu_peak_allocated_mib"],
+                   gpu_peak_reserved_mib=rec["gpu_peak_reserved_mib"])
+        if args.json:
+            args.json.write_text(json.dumps(out, indent=2))
+        return out
     prof: dict = {}
     t0 = time.perf_counter()
     trainer = Trainer(scene, cfg, ckpt_path=ckpt, seed=0)
@@ -150,12 +365,13 @@ def main(argv=None) -> dict:
           f"{out['psnr_test']:.2f} dB, {out['gaussians']} Gaussians, peak GPU memory "
           f"{out['gpu_peak_allocated_mib']} MiB allocated / {out['gpu_peak_reserved_mib']} MiB reserved")
     if prof:
-        print(f"profile of steps {args.profile_at}..{args.profile_at + args.profile_steps - 1}: "
-              f"{prof['profile_wall_ms_per_step']} ms per step, GPU busy {prof['profile_gpu_busy_ms_per_step']} ms")
+        out["profile_gpu_busy_share"] = print_busy_share(prof, args, "steps")
         for title, key in (("host (self CPU)", "profile_top_host"), ("GPU (self CUDA)", "profile_top_gpu")):
             print(f"  top operators by {title} time, ms per step:")
             for r in prof[key]:
                 print(f"    {r['ms_per_step']:8.3f}  x{r['calls_per_step']:<6} {r['op'][:90]}")
+    if args.peer_gsplat is not None:
+        _peer_or_exit(args, cfg, dev, out)
     if args.compare_cpu:
         # the first --cpu-steps steps of the same default run (same schedule: stop_after, not a shorter
         # max_steps, which would compress every schedule into those steps)

@@ -3,13 +3,18 @@
 #   1. gsplat's CUDA kernels are built (JIT, once) while the CPU kernels compile beside them;
 #   2. the CUDA tests (`pytest -m cuda`; the DVC whole-pipeline one only with RUN_PIPELINE=1: it needs the full
 #      install with dvc and mlflow);
-#   3. bench/gpu.py: default params on the 36-view 800x600 benchmark scene, with the CPU/CUDA steps/s ratio.
+#   3. bench/gpu.py: default params on the 36-view 800x600 benchmark scene, with the CPU/CUDA steps/s ratio and a
+#      profile of 40 steps (the GPU-busy share of a step);
+#   4. with PEER_GSPLAT=<a gsplat checkout>: bench/gpu.py --peer-gsplat, splatflow against gsplat's
+#      examples/simple_trainer.py on the same scene (PEER_SCENE=<undistorted COLMAP folder>, default the benchmark
+#      scene), split and resolution (PEER_MAX_SIDE), PEER_STEPS steps for the peer (default 30000), run by
+#      PEER_PYTHON (an environment with the checkout's examples/requirements.txt; it is checked before training).
 # Each phase has a time limit and its log is kept, so a failure in one leaves the others' figures.
 #
 #   bash bench/gpu_check.sh [OUTDIR]        (default bench/out/gpu; PYTHON=... picks the interpreter,
 #                                            GPU_WORK=... the benchmark's scene folder, reused when prepared,
-#                                            PHASES="build tests bench" which phases run, BENCH_ARGS=... more
-#                                            bench/gpu.py arguments, e.g. "--profile-at 5210")
+#                                            PHASES="build tests bench peer" which phases run, BENCH_ARGS=...
+#                                            more bench/gpu.py arguments, PROFILE_AT=5210 the profiled step)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-bench/out/gpu}
@@ -17,11 +22,13 @@ mkdir -p "$out"
 py=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 work=${GPU_WORK:-/tmp/splatflow_gpu_bench}
 export OMP_WAIT_POLICY=PASSIVE PYTHONUNBUFFERED=1 SPLATFLOW_TRACKING=off
+# the Triton Adam and loss kernels are opt-in until a GPU run has checked them: this script is that run
+export SPLATFLOW_TRITON=${SPLATFLOW_TRITON:-1}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$($py -c \
   "import torch; print('%d.%d' % torch.cuda.get_device_capability())" 2>/dev/null || echo "")}
 stamp() { date +%s; }
-want() { case " ${PHASES:-build tests bench} " in *" $1 "*) return 0;; esac; return 1; }
+want() { case " ${PHASES:-build tests bench peer} " in *" $1 "*) return 0;; esac; return 1; }
 
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
@@ -49,17 +56,40 @@ if want tests; then
 sel="not whole_pipeline"; [ "${RUN_PIPELINE:-0}" = 1 ] && sel=""
 t=$(stamp)
 timeout ${TEST_TIMEOUT:-240} $py -m pytest -m cuda -q -rA -p no:cacheprovider -o addopts="" -k "$sel" \
-  tests/test_device.py tests/test_render.py tests/test_ssim.py > "$out/pytest_cuda.log" 2>&1
+  tests/test_device.py tests/test_render.py tests/test_ssim.py tests/test_score_torch.py \
+  tests/test_multi_adam.py tests/test_ssim_triton.py > "$out/pytest_cuda.log" 2>&1
 echo "CUDA tests: rc=$? in $(( $(stamp) - t )) s: $(tail -1 "$out/pytest_cuda.log")" | tee -a "$out/summary.txt"
-grep -E "PASS|FAIL|ERROR|SKIP" "$out/pytest_cuda.log" | tail -12
+grep -E "removal cost on" "$out/pytest_cuda.log" | tee -a "$out/summary.txt"
+# the same kernels on CPU tensors under Triton's interpreter (what CPU machines with Triton check)
+t=$(stamp)
+timeout ${TEST_TIMEOUT:-240} $py -m pytest -q -rA -p no:cacheprovider -o addopts="" -m "not cuda" \
+  tests/test_score_torch.py tests/test_multi_adam.py tests/test_ssim_triton.py > "$out/pytest_kernels.log" 2>&1
+echo "kernel tests (CPU tensors): rc=$? in $(( $(stamp) - t )) s: $(tail -1 "$out/pytest_kernels.log")" \
+  | tee -a "$out/summary.txt"
+grep -E "PASS|FAIL|ERROR|SKIP" "$out/pytest_cuda.log" | tail -16
 fi
 
 # 3. the benchmark
 if want bench; then
 t=$(stamp)
 timeout ${BENCH_TIMEOUT:-300} $py bench/gpu.py --work "$work" --json "$out/gpu.json" --compare-cpu \
-  --threads "$(nproc)" ${BENCH_ARGS:-} > "$out/gpu_bench.log" 2>&1
+  --threads "$(nproc)" --profile-at "${PROFILE_AT:-5210}" ${BENCH_ARGS:-} > "$out/gpu_bench.log" 2>&1
 echo "bench/gpu.py: rc=$? in $(( $(stamp) - t )) s" | tee -a "$out/summary.txt"
 grep -v "it/s\]$" "$out/gpu_bench.log" | tail -45
+fi
+
+# 4. splatflow against gsplat's simple_trainer (only with a checkout to run)
+if want peer; then
+if [ -z "${PEER_GSPLAT:-}" ]; then
+  echo "peer comparison: skipped (set PEER_GSPLAT to a gsplat checkout)" | tee -a "$out/summary.txt"
+else
+t=$(stamp)
+timeout ${PEER_TIMEOUT:-420} $py bench/gpu.py --work "$work" --json "$out/gpu_peer.json" --peer-only \
+  --peer-gsplat "$PEER_GSPLAT" --peer-python "${PEER_PYTHON:-$py}" ${PEER_SCENE:+--scene "$PEER_SCENE"} \
+  ${PEER_MAX_SIDE:+--max-side "$PEER_MAX_SIDE"} --peer-steps "${PEER_STEPS:-30000}" \
+  --peer-timeout "${PEER_TIMEOUT:-420}" > "$out/gpu_peer.log" 2>&1
+echo "bench/gpu.py --peer-gsplat: rc=$? in $(( $(stamp) - t )) s" | tee -a "$out/summary.txt"
+grep -v "it/s\]$" "$out/gpu_peer.log" | tail -40
+fi
 fi
 cat "$out/summary.txt"

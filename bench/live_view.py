@@ -64,24 +64,24 @@ def main() -> None:
     train(scene, replace(cfg, max_steps=5), seed=0)  # kernels loaded, caches warm: not timed
     for r in range(args.rounds):
         for watched in (False, True):
-            hooks, browser = [], None
+            watchers, browser = [], None
             if watched:
                 live = LiveView(cams, title=args.scene, port=free_port(), every_s=args.every, log=lambda s: None)
-                hooks = [live]
+                watchers = [live]
             t0 = time.perf_counter()
             try:
                 if watched and args.browser:
                     browser = _open_when_served(live)
-                res = train(scene, cfg, seed=0, hooks=hooks)
+                res = train(scene, cfg, seed=0, watchers=watchers)
             finally:
                 if browser is not None:
                     browser.close()
-                for h in hooks:
+                for h in watchers:
                     h.close()
             dt = time.perf_counter() - t0
             times[watched].append(dt)
             results[watched] = res
-            extra = f", {hooks[0].refreshes} refreshes" if hooks else ""
+            extra = f", {watchers[0].refreshes} refreshes" if watchers else ""
             print(f"round {r}: {'with' if watched else 'without'} live view: {dt:.2f} s "
                   f"({args.steps / dt:.2f} steps/s{extra})", flush=True)
     same = all(torch.equal(results[False].splats[k], results[True].splats[k]) for k in SPLAT_KEYS)

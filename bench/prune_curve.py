@@ -50,7 +50,7 @@ def main(argv=None) -> None:
 
     import torch
 
-    from splatflow import prune
+    from splatflow import prune, scoring
     from splatflow.config import load_params
     from splatflow.model import load_splats
     from splatflow.paths import ScenePaths
@@ -78,12 +78,12 @@ def main(argv=None) -> None:
     test_cams, test_targets = [], []
     for i, v in enumerate(scene.test_views):
         img, K = cache.get(i, args.test_factor)  # [H, W, 3], [3, 3]
-        test_cams.append(prune.Camera(v.world_to_cam, K, img.shape[1], img.shape[0]))
+        test_cams.append(scoring.Camera(v.world_to_cam, K, img.shape[1], img.shape[0]))
         test_targets.append(img)
 
     splats, deg = load_splats(ckpt)
     t0 = time.perf_counter()
-    psnr0 = prune.mean_psnr(splats, deg, test_cams, test_targets, cfg.backend)
+    psnr0 = scoring.mean_psnr(splats, deg, test_cams, test_targets, cfg.backend)
     render_s = (time.perf_counter() - t0) / len(test_cams)
     n0 = splats["means"].shape[0]
     rows = [{"phase": 0, "keep_fraction": 1.0, "gaussians": n0, "size_mb": round(splats.size_mib, 3),
@@ -94,7 +94,7 @@ def main(argv=None) -> None:
 
     def on_phase(rec: dict, s: dict) -> None:
         t = time.perf_counter()
-        p = prune.mean_psnr(s, deg, test_cams, test_targets, cfg.backend)
+        p = scoring.mean_psnr(s, deg, test_cams, test_targets, cfg.backend)
         rows.append({**{k: rec[k] for k in ("phase", "keep_fraction", "gaussians", "size_mb", "val_psnr",
                                              "seconds", "accepted")},
                      "test_psnr": p, "test_drop_db": psnr0 - p,

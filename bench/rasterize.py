@@ -20,7 +20,6 @@ import argparse
 import json
 import math
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,8 @@ import time
 import splatflow  # noqa: E402,F401  (first: its process defaults for OpenMP and numba's cache)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+
+from splatflow.runtime_env import peak_rss_mb  # noqa: E402
 
 CASES = [
     ("2K@240x135", 2_000, 240, 135),
@@ -69,10 +70,6 @@ def run_once(scene: dict, backend: str) -> tuple[float, float, float]:
     loss.backward()
     t2 = time.perf_counter()
     return t1 - t0, t2 - t1, time.process_time() - c0
-
-
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 def compile_times() -> dict:

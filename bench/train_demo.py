@@ -80,7 +80,7 @@ def prepare(work: Path, threads: int) -> tuple[Path, Path, dict]:
 @torch.no_grad()
 def test_psnr(splats, sh_degree, views) -> list[float]:
     from splatflow.model import Splats, render_view
-    from splatflow.scene.images import read_rgb
+    from splatflow.scene.pixels import read_rgb
 
     out = []
     splats = Splats.of(splats)

@@ -13,7 +13,7 @@ machine is shared).
 Each case also prints where the step's time goes: the library's hot functions are wrapped with timers for the
 timed steps (rasterize forward/backward, projection forward + backward, SSIM forward + backward, blur forward +
 backward, Adam, strategy; where blur, L1 and SSIM are one fused Function, its SSIM kernel call is "SSIM" and
-the rest of it "blur": since session 12 the forward blur runs inside the SSIM kernel, so "SSIM" holds it and
+the rest of it "blur": since 2026-11-26 the forward blur runs inside the SSIM kernel, so "SSIM" holds it and
 "blur" is the backward's transposed blur and glue, and only their sum compares across versions; a timed call
 inside another counts to its own part only); "other" is the rest of the step (Python, image window and target, L1, autograd
 glue). Each part is given in wall time and in process CPU time (all threads; on a shared machine the steadier of
@@ -182,7 +182,7 @@ class PartTimer:
         if filt is not None and hasattr(filt, "GaussianBlurCPU"):
             self.patch(filt.GaussianBlurCPU, "forward", "blur")
             self.patch(filt.GaussianBlurCPU, "backward", "blur")
-            # the fused blur + L1 + SSIM Function: its SSIM kernel is "SSIM" (since session 12 with the forward
+            # the fused blur + L1 + SSIM Function: its SSIM kernel is "SSIM" (since 2026-11-26 with the forward
             # blur inside), the rest (the backward's transposed blur of the L1 + SSIM gradient formed on the way
             # in, glue) "blur"
             self.patch(getattr(filt, "BlurredL1SSIMCPU", None), "forward", "blur")
@@ -211,9 +211,11 @@ def bench_case(name, n, w, h, steps, tmp, profile=False, blur_sigma=2.4):
     from splatflow.train.schedules import BlurSchedule, ExpDecay, ResolutionSchedule, Schedules, SHSchedule
 
     scene, splats = make_case(tmp, n, w, h)
-    # whole images (patch_max_pixels=0): the case sizes are the rendered sizes, as the issue defines them
+    # whole images (patch_max_pixels=0): the case sizes are the rendered sizes, as the step targets define them;
+    # the step alone: no validation, no cut
     cfg = TrainConfig(max_steps=100_000, progress=False, backend="cpu", patch_max_pixels=0)
-    cfg = replace(cfg, early_stop=replace(cfg.early_stop, enabled=False))
+    cfg = replace(cfg, early_stop=replace(cfg.early_stop, enabled=False),
+                  prune_during=replace(cfg.prune_during, enabled=False))
     # the blur schedule's sigma falls linearly to 0 at end_step: an end far away keeps it at blur_sigma
     blur = BlurSchedule(blur_sigma, 10**12) if blur_sigma > 0 else BlurSchedule(0.0, 0)
     sched = Schedules(ResolutionSchedule((0,), (1.0,)), blur, SHSchedule(3, 1, start_degree=3),

@@ -10,6 +10,7 @@ with the error's status (2; 3 for a busy workspace), without a traceback.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -20,13 +21,17 @@ from typer.core import TyperGroup
 from splatflow import ops_cli, view_cli
 from splatflow.config import ConfigError, load_params
 from splatflow.errors import UserError, fail
+from splatflow.orchestrate.dvcrun import check_sources, stage_order
+from splatflow.orchestrate.workspace import workspace_lock
 from splatflow.paths import require_project_root
 
 PIPELINE = "Pipeline"
 
 
 class CLIGroup(TyperGroup):
-    """The root command group: a user error raised by any command, at any depth, ends as one red line."""
+    """The root command group: a user error raised by any command, at any depth, ends as one red line, and so
+    does a command line click cannot parse (a missing argument, an unknown option, a value out of range): the
+    line names the command and its ``--help``, where typer's default draws a box of usage text."""
 
     def invoke(self, ctx: click.Context):
         try:
@@ -34,26 +39,45 @@ class CLIGroup(TyperGroup):
         except (UserError, ConfigError) as e:
             fail(f"error: {e}", getattr(e, "exit_code", 2))
 
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        try:
+            # `python -m splatflow.cli` reads the same as the `splatflow` script in messages and usage lines
+            rv = super().main(args, prog_name or "splatflow", complete_var, standalone_mode=False, **extra)
+        except Exception as e:  # typer carries its own copy of click: its exceptions are known by class name
+            kinds = {c.__name__ for c in type(e).__mro__}
+            ctx = getattr(e, "ctx", None)
+            if "NoArgsIsHelpError" in kinds:  # `splatflow runs`: its help, as click would show it
+                print(ctx.get_help() if ctx else str(e), file=sys.stderr)
+                rv = e.exit_code
+            elif "ClickException" in kinds:
+                where = getattr(ctx, "command_path", None) or prog_name or "splatflow"
+                message = " ".join(e.format_message().split())
+                fail(f"error: {where}: {message} (`{where} --help` lists the arguments)", e.exit_code)
+            elif "Abort" in kinds:
+                fail("aborted", 1)
+            else:
+                raise
+        if not standalone_mode:
+            return rv
+        sys.exit(rv if isinstance(rv, int) else 0)
+
 
 app = typer.Typer(cls=CLIGroup, no_args_is_help=True, add_completion=False,
                   help="splatflow: reproducible 3D Gaussian Splatting (ingest → sfm → split → train → prune "
                        "→ evaluate → export)")
 
-VIDEO_SUFFIXES = {".mp4", ".mov", ".avi", ".mkv", ".m4v", ".webm"}
-
-
 @app.command("demo-scene", rich_help_panel=PIPELINE)
 def demo_scene(
     out: Path = typer.Option(Path("data/raw/demo"), help="output folder (images/ and ground_truth/ inside)"),
-    views: Optional[int] = typer.Option(None, help="number of views (default: the demo's)"),
-    width: Optional[int] = typer.Option(None, help="image width in pixels"),
-    height: Optional[int] = typer.Option(None, help="image height in pixels"),
-    arc: Optional[float] = typer.Option(None, help="orbit arc in degrees (360 = full orbit)"),
+    views: Optional[int] = typer.Option(None, min=3, help="number of views (default: the demo's)"),
+    width: Optional[int] = typer.Option(None, min=32, help="image width in pixels"),
+    height: Optional[int] = typer.Option(None, min=32, help="image height in pixels"),
+    arc: Optional[float] = typer.Option(None, min=1.0, max=360.0, help="orbit arc in degrees (360 = full orbit)"),
     seed: Optional[int] = typer.Option(None, help="random seed (the scene is deterministic for a seed)"),
     force: bool = typer.Option(False, help="rewrite the scene even if it exists"),
 ):
     """Write the synthetic demo scene (a textured room with boxes) with its true cameras."""
-    from splatflow.scene import synthetic
+    from splatflow.scene import synthetic  # lazy: OpenCV loads only for the demo scene
 
     options = dict(synthetic.DEMO_DEFAULTS)
     for key, value in (("n_views", views), ("width", width), ("height", height), ("arc_deg", arc), ("seed", seed)):
@@ -76,20 +100,21 @@ def add_scene(
                                                            "cameras.json or Strecha camera folder)"),
     force: bool = typer.Option(False, help="replace an existing scene of that name"),
     masks: Optional[Path] = typer.Option(None, help="folder of masks named like the images (white = keep)"),
-    downscale: Optional[int] = typer.Option(None, help="this scene's working resolution: 1, 2, 4 or 8 "
+    downscale: Optional[int] = typer.Option(None, min=1, help="this scene's working resolution: 1, 2, 4 or 8 "
                                                        "(default: base.resolution)"),
 ):
     """Register a folder of images, a video or a COLMAP dataset as a scene in params.yaml (keeps its comments)."""
     from ruamel.yaml import YAML
 
-    from splatflow.scene import colmap
+    from splatflow.scene import colmap  # lazy: pycolmap loads only for the commands that read a dataset
 
     root = require_project_root()
     if not path.exists():
         raise UserError(f"{path} does not exist; give a folder of images or a video file")
-    if path.is_file() and path.suffix.lower() not in VIDEO_SUFFIXES:
-        raise UserError(f"{path} is a file but not a video ({', '.join(sorted(VIDEO_SUFFIXES))}); "
-                        "give a folder of images or a video file")
+    if path.is_file():
+        from splatflow.scene.video import check_video_source  # lazy: OpenCV loads only for a video source
+
+        check_video_source(path)  # ingest's own test: opened and a frame decoded, whatever the suffix
     if not name or not all(c.isascii() and (c.isalnum() or c in "-_") for c in name):
         raise UserError(f"scene name {name!r}: use ASCII letters, digits, '-' and '_' only")
     params_path = root / "params.yaml"
@@ -120,6 +145,8 @@ def add_scene(
     if path.is_dir() and colmap.is_colmap_dataset(path):
         # An existing reconstruction: the sfm stage imports it instead of running SfM (splatflow.scene.colmap).
         entry["colmap"] = colmap.find_model(path)
+    elif path.is_dir() and (path / "images").is_dir() and colmap.partial_model(path) is not None:
+        raise UserError(colmap.incomplete_model_message(*colmap.partial_model(path), images=path / "images"))
     elif path.is_dir() and (path / "images").is_dir() and not any(
             p.is_file() and not p.name.startswith(".") for p in path.iterdir()):
         raise UserError(f"{path} holds an images/ folder but no COLMAP model (cameras, images, points3D as .bin or "
@@ -155,6 +182,7 @@ def add_scene(
 def _warn_if_too_few_images(folder: Path) -> None:
     """Say at once, not after `splatflow run` has started, that a folder cannot make a reconstruction (the scene is
     still added: photos may be copied in later; ingest then checks every file)."""
+    # lazy: ingest brings OpenCV and Pillow, which the other commands (and --help) do without
     from splatflow.scene.ingest import IMAGE_FILE_SUFFIXES, MIN_USABLE_IMAGES, TYPICAL_CAPTURE
 
     files = [p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_FILE_SUFFIXES
@@ -184,21 +212,28 @@ def run(
     scenes = [scene] if scene else sorted(params.base.scenes)
     for s in scenes:
         params.scene(s)  # an unknown scene: a ConfigError naming `splatflow add-scene`
-    from splatflow.orchestrate.dvcrun import check_sources, stage_order
 
     check_sources(root, scenes)  # a capture that is not there: say so before DVC removes the scene's outputs
+    from splatflow import tracking  # lazy: MLflow loads only for the commands that record runs
+
+    if tracking.enabled():  # once per run, before DVC: a dead server stops here in seconds (exit 2)
+        uri = tracking.tracking_uri(root)
+        tracking.check_reachable(uri)
+        problem = tracking.store_problem(uri)
+        if problem:  # said once here; the flow and its stages then run untracked without saying it again
+            typer.secho(f"warning: {problem}", fg=typer.colors.YELLOW, err=True)
+            os.environ["SPLATFLOW_TRACKING"] = "off"
     for s in scenes:
         if not stage_order(root, s):  # the flow would find nothing to run
             raise UserError(f"dvc.yaml makes no stages for scene {s!r}; check its entry under base.scenes in "
                             "params.yaml (a scene name must be a string: quote it) and dvc.yaml's foreach")
     if view:
-        from splatflow import live_view
+        from splatflow import live_view  # lazy: torch (the live view's snapshots), which the other commands skip
 
         os.environ[live_view.ENV] = f"127.0.0.1:{live_view.parse_address(str(view_port), '--view-port')[1]}"
         os.environ[live_view.ENV_EVERY] = str(live_view.parse_every(str(view_every), "--view-every"))
     ops_cli._use_local_prefect_server()  # the user's Prefect server (`splatflow ui`) when one answers
-    from splatflow.orchestrate.flowrun import run_scenes
-    from splatflow.orchestrate.workspace import workspace_lock
+    from splatflow.orchestrate.flowrun import run_scenes  # lazy: Prefect loads only for the commands that run flows
 
     def tell(msg: str) -> None:
         typer.secho(f"waiting: {msg} (Ctrl-C to give up)", fg=typer.colors.YELLOW, err=True)
@@ -216,7 +251,7 @@ def run(
         typer.echo("(--view: no training ran, every train stage was up to date; `splatflow view SCENE` shows the "
                    "trained splat)")
     for s in scenes:
-        typer.echo(f"\n{s}: metrics in metrics/{s}/ ; `dvc metrics show` to see them")
+        typer.echo(f"\n{s}: metrics in metrics/{s}/ ; `splatflow metrics {s}` shows them as a table")
 
 
 # The sub-apps: their commands keep the command lines they always had (`splatflow ui`, `splatflow runs reap`).
@@ -225,6 +260,7 @@ app.add_typer(ops_cli.flows_app)
 app.add_typer(ops_cli.runs_app, name="runs", rich_help_panel=ops_cli.RESULTS)
 app.add_typer(ops_cli.results_app)
 app.add_typer(view_cli.app)
+app.add_typer(view_cli.weights_app, name="weights", rich_help_panel=view_cli.PANEL)
 
 
 def main() -> None:

@@ -1,7 +1,8 @@
 """``splatflow compare RUN_A RUN_B --html OUT``: two MLflow runs side by side, to judge a change by looking.
 
-One self-contained page (images as ``data:`` URIs): the params that differ, every final metric with its delta,
-both runs' training curves on one plot per quantity (the live ``train/<name>`` step metrics), and each test view
+One self-contained page (images as ``data:`` URIs): the headline metrics with their deltas, the params that differ,
+both runs' training curves on one plot per quantity (the live ``train/<name>`` step metrics; a sentence says why a
+run has none), every other final metric with its delta, and each test view
 both runs rendered, next to each other with the ground truth (the ``data/<scene>/renders/<view>.png`` triptychs
 logged by the evaluate stage: render | ground truth | error map).
 """
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from splatflow import tracking
 from splatflow.errors import UserError
 
 CURVES = ("loss", "psnr", "gaussians")
@@ -93,8 +95,6 @@ def _fmt(v) -> str:
 
 def write_compare_html(run_a: str, run_b: str, out: str | Path, uri: str | None = None) -> Path:
     """Write the side-by-side page of two runs to ``out``; returns its path."""
-    from splatflow import tracking
-
     cl = tracking.client(uri)
     try:
         runs = [cl.get_run(run_a), cl.get_run(run_b)]
@@ -103,18 +103,21 @@ def write_compare_html(run_a: str, run_b: str, out: str | Path, uri: str | None 
                         f"(`splatflow runs list` shows run ids)") from e
     df = tracking.compare([run_a, run_b], uri)
     labels = [_label(r) for r in runs]
-    param_rows, metric_rows = [], []
+    param_rows, headline_rows, metric_rows = [], [], []
     for (kind, key), row in df.iterrows():
         a, b = row.iloc[0], row.iloc[1]
-        if kind in ("param", "tag"):
+        if kind == "param":
             param_rows.append(f"<tr><th>{html.escape(key)}</th><td>{_fmt(a)}</td><td>{_fmt(b)}</td></tr>")
-        elif "/" not in key:  # final metrics; the live curves are plotted below
+        else:  # headline and other final metrics; the live curves are plotted below
             d = row.get("delta")
             cls = "" if d is None or (isinstance(d, float) and math.isnan(d)) or d == 0 else (" class=up" if d > 0
                                                                                               else " class=down")
-            metric_rows.append(f"<tr><th>{html.escape(key)}</th><td>{_fmt(a)}</td><td>{_fmt(b)}</td>"
-                               f"<td{cls}>{_fmt(d)}</td></tr>")
+            (headline_rows if kind == "headline" else metric_rows).append(
+                f"<tr><th>{html.escape(key)}</th><td>{_fmt(a)}</td><td>{_fmt(b)}</td><td{cls}>{_fmt(d)}</td></tr>")
     curves = _curves(cl, runs)
+    notes = [(letter, tracking.curve_note(cl, r)) for letter, r in zip("AB", runs)]
+    curve_notes = "".join(f"<p class=note>{letter} has no training curve: {html.escape(note)}.</p>"
+                          for letter, note in notes if note)
     scenes = [r.data.tags.get("splatflow.scene") for r in runs]
     views_html = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -136,16 +139,20 @@ main{{max-width:1280px;margin:0 auto;padding:18px 22px 60px}}h2{{font-size:17px;
 table{{border-collapse:collapse;background:#fff}}th,td{{padding:3px 10px;border-bottom:1px solid #eceff2;
 text-align:left}}td{{font-variant-numeric:tabular-nums}}.up{{color:#1a7f37}}.down{{color:#c62828}}
 figure{{margin:0 0 14px}}img{{max-width:100%;border:1px solid #e1e5ea}}figcaption{{font-size:12px;color:#5b6670}}
+.note{{color:#8a5a00}}
 </style></head><body><main>
 <h1>splatflow compare</h1>
 <p>A = {html.escape(labels[0])} (scene {html.escape(str(scenes[0]))}), B = {html.escape(labels[1])}
 (scene {html.escape(str(scenes[1]))}).</p>
+<h2>Headline metrics (delta = B - A)</h2>
+<table id="headline"><tr><th></th><th>A</th><th>B</th><th>delta</th></tr>{''.join(headline_rows)}</table>
 <h2>Params that differ</h2>
-<table id="params"><tr><th></th><th>A</th><th>B</th></tr>{''.join(param_rows)}</table>
-<h2>Final metrics (delta = B - A)</h2>
-<table id="metrics"><tr><th></th><th>A</th><th>B</th><th>delta</th></tr>{''.join(metric_rows)}</table>
+{f'<table id="params"><tr><th></th><th>A</th><th>B</th></tr>{"".join(param_rows)}</table>' if param_rows
+ else '<p id="params">every param is equal</p>'}
 <h2>Training curves</h2>
-{f'<img alt="training curves" src="{curves}">' if curves else '<p>no live training metrics in these runs</p>'}
+{f'<img alt="training curves" src="{curves}">' if curves else ''}{curve_notes}
+<h2>Other final metrics (delta = B - A)</h2>
+<table id="metrics"><tr><th></th><th>A</th><th>B</th><th>delta</th></tr>{''.join(metric_rows)}</table>
 <h2>Test views: A | B | ground truth</h2>
 {''.join(views_html) or '<p>no test view rendered by both runs (evaluate logs data/S/renders)</p>'}
 </main></body></html>

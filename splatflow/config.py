@@ -261,9 +261,10 @@ class DensifyConfig:
     prune_opa: float = 0.005
     prune_scale3d: float = 0.1
     absgrad: bool = False
-    max_gaussians: int = 120_000  # hard cap on the count (params.yaml's; a 2-core CPU budget, raise it on a GPU)
+    # hard cap on the count; "auto": sized from the scene and the device (splatflow.train.plan, train.quality)
+    max_gaussians: int | Literal["auto"] = "auto"
     # cap = min(max_gaussians, budget_multiplier * initial count); 16x: +0.35 dB test PSNR on the demo over 8x, and
-    # the redundancy that lets pruning to 10% cost < 1 dB (bench/RESULTS.md, session 4)
+    # the redundancy that lets pruning to 10% cost < 1 dB (docs/experiments.md, Pruning, 2026-11-25)
     budget_multiplier: float = 16.0
     # the cap grows linearly from the initial count to the whole budget at this fraction of max_steps (0: the whole
     # budget from the start): the count grows with the training resolution, so early low-resolution steps carry
@@ -284,7 +285,8 @@ class DensifyConfig:
         check(self.grow_scale3d > 0, "train.densify.grow_scale3d", "a number > 0", self.grow_scale3d)
         check(0.0 <= self.prune_opa < 1.0, "train.densify.prune_opa", "a number in [0, 1)", self.prune_opa)
         check(self.prune_scale3d > 0, "train.densify.prune_scale3d", "a number > 0", self.prune_scale3d)
-        check(self.max_gaussians >= 1, "train.densify.max_gaussians", "an integer >= 1", self.max_gaussians)
+        check(self.max_gaussians == "auto" or self.max_gaussians >= 1, "train.densify.max_gaussians",
+              "auto or an integer >= 1", self.max_gaussians)
         check(self.budget_multiplier >= 1.0, "train.densify.budget_multiplier", "a number >= 1",
               self.budget_multiplier)
         check(0.0 <= self.budget_ramp_fraction <= 1.0, "train.densify.budget_ramp_fraction",
@@ -335,13 +337,13 @@ class PruneDuringConfig:
     further cut is made. The prune stage then only verifies and copies the model.
     """
 
-    enabled: bool = False
+    enabled: bool = False  # on real captures its cuts cost 1-2.5 dB (bench/RESULTS.md "Real captures")
     start_fraction: float = 0.6  # first cut, as a fraction of max_steps (not before densification stops)
-    end_fraction: float = 0.8  # last cut; the steps after it recover the final model
+    end_fraction: float = 0.75  # last cut; the steps after it recover the final model
     phases: int = 3
     keep_final: float = 0.1  # fraction of the Gaussians at the first cut kept after the last
     score_rounds: int = 4  # re-scored geometric sub-cuts per phase (as prune.score_rounds)
-    score_views: int = 8  # training views the removal cost is summed over, evenly spaced (0 = all)
+    score_views: int = 16  # training views the removal cost is summed over, evenly spaced (0 = all)
     max_psnr_drop_db: float = 2.0  # early stop, against the validation PSNR just before the first cut
     recovery_lr_boost: float = 1.0  # means LR x this right after a cut, back to the schedule by the next cut (1 = off)
 
@@ -366,7 +368,10 @@ class PruneDuringConfig:
 class TrainConfig:
     """Training: every behaviour of the loop is one of these named settings."""
 
-    max_steps: int = 4000
+    # "auto": steps sized from the scene (training views x pixels) and the device (splatflow.train.plan); a number
+    # pins it. train.quality scales the auto plan: draft (about half the time), standard, max (no time limit).
+    max_steps: int | Literal["auto"] = "auto"
+    quality: Literal["draft", "standard", "max"] = "standard"
     sh_degree: int = 3  # highest SH degree (its coefficients are allocated from the start)
     sh_degree_interval: int = 500  # active SH degree rises by one every this many steps
     init_opacity: float = 0.1
@@ -379,7 +384,7 @@ class TrainConfig:
     patch_max_pixels: int | Literal["auto"] = "auto"
     # a lower-resolution level (factor f < 1) trains on windows of patch_max_pixels / f^exponent pixels (whole images
     # once that exceeds the level): its steps cost little more and see more of the scene; 0 = the same area at every
-    # level (bench/RESULTS.md "Training", session 8: exponent 1 gained 0.7 dB at the same training time)
+    # level (docs/experiments.md, Training, 2026-11-25 22:50: exponent 1 gained 0.7 dB at the same training time)
     patch_level_exponent: float = 1.0
     # Adam updates only the Gaussians a step's render reaches (gsplat's visible_adam); others keep params + moments
     visible_adam: bool = False
@@ -404,7 +409,8 @@ class TrainConfig:
     progress: bool = True
 
     def __post_init__(self):
-        check(self.max_steps >= 1, "train.max_steps", "an integer >= 1", self.max_steps)
+        check(self.max_steps == "auto" or self.max_steps >= 1, "train.max_steps", "auto or an integer >= 1",
+              self.max_steps)
         check(0 <= self.sh_degree <= 3, "train.sh_degree", "an integer in [0, 3]", self.sh_degree)
         check(self.sh_degree_interval >= 1, "train.sh_degree_interval", "an integer >= 1", self.sh_degree_interval)
         check(0.0 < self.init_opacity < 1.0, "train.init_opacity", "a number in (0, 1)", self.init_opacity)
@@ -415,7 +421,8 @@ class TrainConfig:
         check(0.0 <= self.patch_level_exponent <= 4.0, "train.patch_level_exponent", "a number in [0, 4]",
               self.patch_level_exponent)
         check(len(self.resolution) >= 1, "train.resolution", "a non-empty list of phases", self.resolution)
-        starts = [p.start_step if p.start_step is not None else p.start_fraction * self.max_steps
+        steps = self.max_steps if self.max_steps != "auto" else 10_000  # fractions keep their order at any length
+        starts = [p.start_step if p.start_step is not None else p.start_fraction * steps
                   for p in self.resolution]
         check(starts[0] == 0, "train.resolution[0]", "a first phase starting at step 0", self.resolution[0])
         check(all(a < b for a, b in zip(starts, starts[1:])), "train.resolution",
@@ -430,12 +437,18 @@ class TrainConfig:
               f"a fraction >= train.densify.refine_stop_fraction ({self.densify.refine_stop_fraction})",
               pd.start_fraction)
 
+    @property
+    def planned(self) -> bool:
+        """True when the step count and the Gaussian budget are numbers (pinned, or resolved by the plan)."""
+        return self.max_steps != "auto" and self.densify.max_gaussians != "auto"
+
     def window_pixels(self, backend: str) -> int:
         """The window area a run on ``backend`` ("cpu", "cuda", "torch") trains on: ``patch_max_pixels``, with
         "auto" resolved per backend. On the CPU a step's cost grows with its pixels, so 60K-pixel windows buy more
-        steps per minute (bench/RESULTS.md "Training", session 8); a GPU step is bound by its ~180 kernel launches,
-        not its pixels, so windows only cost it quality: whole images on an H100 trained the 36-view benchmark
-        scene to 30.56-30.57 dB in 39-40 s against 29.84-30.12 dB in 52-59 s with windows (RESULTS "GPU path")."""
+        steps per minute (docs/experiments.md, Training, 2026-11-25 22:50); a GPU step is bound by its ~180 kernel
+        launches, not its pixels, so windows only cost it quality: whole images on an H100 trained the 36-view
+        benchmark scene to 30.56-30.57 dB in 39-40 s against 29.84-30.12 dB in 52-59 s with windows
+        (bench/RESULTS.md, "GPU path")."""
         if self.patch_max_pixels == "auto":
             return 0 if backend == "cuda" else CPU_WINDOW_PIXELS
         return int(self.patch_max_pixels)
@@ -446,8 +459,8 @@ class PruneConfig:
     """Phased pruning with recovery after LightGaussian (Fan et al. 2023), each Gaussian scored by the
     exact cost of removing it (``score: removal``, the default) or by LightGaussian's global significance.
 
-    Phase ``k`` (0-based) keeps ``keep_first * keep_decay**k`` of the TRAINED model's Gaussians (defaults:
-    0.6, 0.42, ..., 0.10 after six phases); each phase is followed by ``finetune_steps * keep**-finetune_growth``
+    Phase ``k`` (0-based) keeps ``keep_first * keep_decay**k`` of the TRAINED model's Gaussians (default: one
+    phase to half; on real captures deeper cuts cost 1-2.5 dB, bench/RESULTS.md "Real captures"); each phase is followed by ``finetune_steps * keep**-finetune_growth``
     steps of recovery training without densification. Pruning stops early, keeping the last accepted phase, when
     the PSNR on ``val_views`` TRAINING views (never test views) falls more than ``max_psnr_drop_db`` below the
     unpruned model's. ``enabled: false``, ``phases: 0`` or a schedule that keeps everything is a no-op that still
@@ -457,9 +470,9 @@ class PruneConfig:
     """
 
     enabled: bool = True
-    keep_first: float = 0.6  # fraction of the trained model's Gaussians kept after the first phase
+    keep_first: float = 0.5  # fraction of the trained model's Gaussians kept after the first phase
     keep_decay: float = 0.7  # each later phase keeps this fraction of the previous phase's target
-    phases: int = 6
+    phases: int = 1
     finetune_steps: int = 1000  # recovery steps after each phase (no densification), x keep^-finetune_growth
     # recovery steps grow as the model shrinks: finetune_steps x keep_fraction^-finetune_growth (0: constant);
     # a step of a smaller model is cheaper, so 0.5 keeps each phase's recovery time roughly level
@@ -467,7 +480,7 @@ class PruneConfig:
     # early stop: validation PSNR below (before - this) rejects the phase. The validation views are TRAINING views,
     # which the unpruned model fits better than unseen ones, so they overstate the loss (demo, 10%: 1.70 dB on
     # training views for 0.89 dB on the test views); 2 dB there still catches a pruning that breaks the model
-    max_psnr_drop_db: float = 2.0
+    max_psnr_drop_db: float = 0.5
     val_views: int = 4  # evenly spaced TRAINING views for the validation PSNR
     val_factor: float = 1.0  # resolution factor of the validation renders (full: pruning loses fine detail first)
     # what ranks the Gaussians: "significance" (LightGaussian: alpha x transmittance summed over the training
@@ -480,7 +493,7 @@ class PruneConfig:
     score_factor: float = 1.0  # resolution factor of the renders that measure the scores
     # position learning rate of the recovery, as a factor of train.lr.means (x scene scale): training ends at
     # train.lr.means_final_factor (0.01), too slow for the survivors to move into the gaps the cut ones leave
-    finetune_means_lr: float = 0.3
+    finetune_means_lr: float = 0.01
     volume_beta: float = 0.1
     volume_ref_quantile: float = 0.1
     backend: Literal["auto", "cpu", "cuda", "torch"] = "auto"

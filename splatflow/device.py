@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from splatflow.errors import UserError
+from splatflow.render import resolve_backend
 
 
 @dataclass(frozen=True)
@@ -81,8 +82,6 @@ def resolve(backend: str, *, check_kernels: bool = True) -> RunDevice:
     ``check_kernels``, gsplat's kernels are loaded here, at the stage's start, so a broken toolchain is reported
     before any work is done.
     """
-    from splatflow.render import resolve_backend
-
     name = resolve_backend(backend)
     if name == "cuda":
         if check_kernels:
@@ -102,6 +101,8 @@ def to_device(obj: Any, device: torch.device | str) -> Any:
     if isinstance(obj, tuple):
         return tuple(to_device(v, device) for v in obj)
     return obj
+
+
 
 
 def reset_peak_memory(dev: RunDevice | None = None) -> None:

@@ -15,18 +15,21 @@ from __future__ import annotations
 
 import json
 import math
-import resource
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from splatflow import device as devices
 from splatflow.config import EvaluateConfig
 from splatflow.errors import UserError
 from splatflow.lpips import VARIANT_INPUTS, LpipsSet
 from splatflow.metrics import masked_pair, masked_psnr, masked_ssim, psnr, quantize_8bit, ssim
-from splatflow.model import Splats, render_view
+from splatflow.model import Splats, load_splats, render_view
+from splatflow.runtime_env import peak_rss_mb
+from splatflow.scene.dataset import load_scene, read_split
+from splatflow.scene.masks import read_view_mask
 
 PER_VIEW_COLUMNS = ["view", "width", "height", "psnr", "ssim", "lpips_vgg_01", "lpips_vgg", "lpips_alex",
                     "render_seconds", "rss_mb"]
@@ -77,11 +80,6 @@ def rss_mb() -> float:
     return psutil.Process().memory_info().rss / 2**20
 
 
-def peak_rss_mb() -> float:
-    """Peak resident set size of this process so far in MiB (Linux reports ru_maxrss in KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
 def error_heatmap(render: torch.Tensor, gt: torch.Tensor, gain: float) -> np.ndarray:
     """``[H, W, 3]`` uint8: mean absolute error x ``gain`` on a black-red-yellow-white ramp."""
     e = ((render - gt).abs().mean(dim=-1) * gain).clamp(0, 1).numpy()  # [H, W]
@@ -127,8 +125,6 @@ def _area_resize(img: torch.Tensor, width: int, height: int) -> torch.Tensor:
 
 
 def _view_mask(view) -> torch.Tensor | None:
-    from splatflow.scene.masks import read_view_mask
-
     m = read_view_mask(view)
     return None if m is None else torch.from_numpy(m)
 
@@ -139,8 +135,6 @@ def evaluate(splats: Splats, sh_degree: int, test_views: list, cfg: EvaluateConf
     """Score ``splats`` on ``test_views``; returns ``(summary dict, per-view DataFrame)`` (validated)."""
     import pandas as pd
     from tqdm import tqdm
-
-    from splatflow import device as devices
 
     if not test_views:
         raise UserError("the split has no test views, so there is nothing to evaluate; check data/<scene>/split.json "
@@ -239,9 +233,6 @@ def evaluate_scene(ckpt_path: Path, undistorted_dir: Path, split_json: Path, cfg
 
     ``scene`` (already at its working size, with masks: :func:`splatflow.scene.resolution.load_working_scene`)
     replaces loading ``undistorted_dir``; ``resolution`` is what chose its size, recorded in the protocol."""
-    from splatflow.model import load_splats
-    from splatflow.scene.dataset import load_scene, read_split
-
     splats, sh_degree = load_splats(ckpt_path)
     if scene is None:
         scene = load_scene(undistorted_dir, split_json)

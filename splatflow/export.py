@@ -15,11 +15,13 @@ from pathlib import Path
 
 import numpy as np
 
+from splatflow.config import ExportConfig
 from splatflow.formats import write_ply, write_splat, write_spz
-from splatflow.formats.common import SH_C0, as_numpy_splats, sigmoid
+from splatflow.formats.common import as_numpy_splats, sigmoid
 from splatflow.formats.ply import vertices_to_splats
 from splatflow.formats.spz import COLOR_SCALE, POS_FLIP_YZ, SH_FLIP_YZ, read_spz
 from splatflow.formats.splat import importance_order
+from splatflow.sh import SH_C0
 
 
 class ExportVerificationError(RuntimeError):
@@ -149,8 +151,9 @@ def verify_spz(path: Path, ref: dict[str, np.ndarray], version: int, from_coordi
     return {"verified_with": reader, "max_errors": errs, "fractional_bits": int(fb)}
 
 
-def export_model(splats: dict, sh_degree: int, out_dir: str | Path, *, formats=("ply", "splat", "spz"),
-                 spz_version: int = 3, spz_from_coordinates: str = "RDF", progress: bool = True) -> dict:
+def export_model(splats: dict, sh_degree: int, out_dir: str | Path, *, formats=ExportConfig.formats,
+                 spz_version: int = ExportConfig.spz_version,
+                 spz_from_coordinates: str = ExportConfig.spz_from_coordinates, progress: bool = True) -> dict:
     """Write ``scene.<fmt>`` for each format into ``out_dir``, verify each, return the export metrics."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

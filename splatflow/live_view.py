@@ -1,9 +1,9 @@
 """The live view: the splat being trained, in the same viser viewer as ``splatflow view``, refreshed every few seconds.
 
-:class:`LiveView` is a training hook (:mod:`splatflow.train.hooks`). Between two steps, at most once every
-``every_s`` seconds, it copies the parameters (a few MB, milliseconds) and hands the copy to its own thread, which
-converts it and sends it to the browsers; the training thread never waits for that thread or for a browser, and
-skips a refresh while the previous one is still being sent. It reads the model and changes nothing (not even
+:class:`LiveView` is a watcher of the training run's sink (:mod:`splatflow.train.sink`). Between two steps, at
+most once every ``every_s`` seconds, it copies the parameters (a few MB, milliseconds) and hands the copy to its
+own thread, which converts it and sends it to the browsers; the training thread never waits for that thread or
+for a browser, and skips a refresh while the previous one is still being sent. It reads the model and changes nothing (not even
 the sparse step's deferred rows, which show a few steps behind), so a run with the live view ends with the
 parameters of the same run without it.
 
@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 
 from splatflow.errors import UserError
+from splatflow.formats.common import as_numpy_splats
+from splatflow.model import SPLAT_KEYS
 
 ENV = "SPLATFLOW_LIVE_VIEW"  # host:port to serve the live view on (unset: no live view)
 ENV_EVERY = "SPLATFLOW_LIVE_VIEW_EVERY_S"  # seconds between two refreshes
@@ -84,8 +86,6 @@ class LiveView:
         if trainer.step < trainer.cfg.max_steps and (self._busy or now - self._last < self.every_s):
             return  # (the last step's model is always handed over: the view ends on the trained splat)
         self._last = now
-        from splatflow.model import SPLAT_KEYS
-
         snapshot = {k: trainer.params[k].detach().to("cpu", copy=True) for k in SPLAT_KEYS}
         with self._wake:
             self._busy = True
@@ -113,13 +113,11 @@ class LiveView:
                     self._wake.notify_all()
 
     def _show(self, snapshot: dict, step: int, max_steps: int, psnr: float | None, degree: int) -> None:
-        from splatflow.formats.common import as_numpy_splats
-
         splats = as_numpy_splats(snapshot, degree)  # bands not trained yet are zero, as in an export
         status = (f"{self.title}: training, step {step:,} / {max_steps:,}, "
                   + (f"PSNR {psnr:.2f} dB" if psnr is not None else "PSNR not logged yet"))
         if self.viewer is None:
-            from splatflow.viewer import LoadedModel, SplatViewer
+            from splatflow.viewer import LoadedModel, SplatViewer  # lazy: viser, which only a watched run needs
 
             sh_max = int(round(math.sqrt(splats["shN"].shape[1] + 1))) - 1
             model = LoadedModel(splats, sh_max, Path(self.title), "training", list(self.cameras), status=status)
@@ -160,13 +158,13 @@ class LiveView:
 
 
 def from_env(paths, log=print) -> list[LiveView]:
-    """The train stage's hooks: ``[LiveView]`` when :data:`ENV` asks for one, else ``[]``."""
+    """The train stage's watchers: ``[LiveView]`` when :data:`ENV` asks for one, else ``[]``."""
     address = os.environ.get(ENV, "").strip()
     if not address:
         return []
     host, port = parse_address(address)
     every = parse_every(os.environ[ENV_EVERY]) if os.environ.get(ENV_EVERY, "").strip() else EVERY_S
-    from splatflow.report import scene_cameras
+    from splatflow.report import scene_cameras  # lazy: the report module (its PLY, SPZ and web-bundle readers)
 
     cams = scene_cameras(paths)
     return [LiveView(cams, title=paths.scene, host=host, port=port, every_s=every, log=log)]

@@ -9,8 +9,9 @@ ImageNet weights at run time (impossible offline) and whose PyPI build does not 
 Here the trunk is a plain ``nn.Sequential`` named ``features`` with exactly torchvision's layer layout, so the
 standard torch hub checkpoints (``alexnet-owt-7be5be79.pth``, ``vgg16-397923af.pth``) load into it unchanged;
 the linear heads are the v0.1 ``.pth`` files shipped inside the ``lpips`` PyPI package, located without
-importing that package (importing it imports torchvision). Nothing is ever downloaded: when a file is missing,
-:func:`load_lpips` returns ``None`` plus a reason string and the caller records LPIPS as null.
+importing that package (importing it imports torchvision). Nothing is downloaded at run time: when a file is
+missing, :func:`load_lpips` returns ``None`` plus a reason string (naming ``splatflow weights fetch``, which
+downloads the trunks on request, :mod:`splatflow.weights`) and the caller records LPIPS as null.
 
 Variants (published tables mix them, so every number is stored under its variant's name):
 
@@ -185,8 +186,9 @@ def load_lpips(net: str, backbone_dir: str | Path | None = None, linear_dir: str
     bdir = Path(backbone_dir) if backbone_dir else default_backbone_dir()
     bfile = bdir / BACKBONE_FILES[net]
     if not bfile.is_file():
-        return LpipsResult(None, f"backbone weights {bfile} not found (LPIPS needs torchvision's ImageNet "
-                                 f"{net} checkpoint there, or set evaluate.lpips_backbone_dir; nothing is downloaded)")
+        return LpipsResult(None, f"{bfile.name} is not in {bdir}: run `splatflow weights fetch` to download "
+                                 f"torchvision's ImageNet {net} weights (checksum-checked), or set "
+                                 "evaluate.lpips_backbone_dir")
     ldir = Path(linear_dir) if linear_dir else lpips_package_weights_dir()
     if ldir is None:
         return LpipsResult(None, "the lpips package (which ships the v0.1 linear layers) is not installed; "

@@ -14,6 +14,7 @@ import math
 import torch
 
 from splatflow.lpips import LPIPS, LpipsSet, VARIANT_INPUTS, VARIANTS, load_lpips  # noqa: F401 (re-exported)
+from splatflow.render.ssim import ssim as _ssim, ssim_map_reference
 
 
 def _as_bchw(x: torch.Tensor) -> torch.Tensor:
@@ -44,8 +45,6 @@ def psnr(x: torch.Tensor, y: torch.Tensor) -> float:
 @torch.no_grad()
 def ssim(x: torch.Tensor, y: torch.Tensor) -> float:
     """Mean SSIM of images in [0, 1] (11x11 Gaussian window, sigma 1.5, C1 = 0.01^2, C2 = 0.03^2)."""
-    from splatflow.render.ssim import ssim as _ssim
-
     a, b = _as_bchw(x), _as_bchw(y)
     if a.shape != b.shape:
         raise ValueError(f"ssim: shapes differ {tuple(a.shape)} vs {tuple(b.shape)}")
@@ -79,8 +78,6 @@ def masked_psnr(x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> float:
 def masked_ssim(x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> float:
     """Mean of the SSIM map (same window and constants as :func:`ssim`) over the kept pixels; the masked
     pixels of ``x`` are replaced by ``y``'s first (:func:`masked_pair`), so they add no error to nearby windows."""
-    from splatflow.render.ssim import ssim_map_reference
-
     a, b = _as_bchw(x), _as_bchw(y)
     a = masked_pair(a, b, mask)
     smap = ssim_map_reference(a.double(), b.double()).mean(1)  # [B, H, W]

@@ -21,9 +21,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from splatflow.config import TrainConfig
 from splatflow.errors import UserError
-
-SH_C0 = 0.28209479177387814  # Y_0^0 = 1 / (2 sqrt(pi))
+from splatflow.render import rasterize, resolve_backend
+from splatflow.scene.cameras import camera_centers
+from splatflow.sh import SH_C0
 
 SPLAT_KEYS = ("means", "quats", "scales", "opacities", "sh0", "shN")
 
@@ -59,14 +61,6 @@ def knn_mean_distance(points: np.ndarray, k: int = 3, chunk: int = 65536) -> np.
     return out
 
 
-def camera_centers(world_to_cams: np.ndarray) -> np.ndarray:
-    """Camera centres in world coordinates from world-to-camera matrices ``[C, 4, 4]`` -> ``[C, 3]``."""
-    w2c = np.asarray(world_to_cams, dtype=np.float64)
-    R = w2c[:, :3, :3]  # [C, 3, 3]
-    t = w2c[:, :3, 3]  # [C, 3]
-    return -np.einsum("cji,cj->ci", R, t)  # -R^T t
-
-
 def scene_scale(world_to_cams: np.ndarray) -> float:
     """Scene extent from the cameras: 1.1 x the largest distance of a camera centre from their mean.
 
@@ -78,8 +72,8 @@ def scene_scale(world_to_cams: np.ndarray) -> float:
     return radius if radius > 1e-8 else 1.0
 
 
-def init_splats(points: np.ndarray, colors_u8: np.ndarray, *, sh_degree: int = 3, init_opacity: float = 0.1,
-                init_scale: float = 1.0) -> "Splats":
+def init_splats(points: np.ndarray, colors_u8: np.ndarray, *, sh_degree: int = TrainConfig.sh_degree,
+                init_opacity: float = TrainConfig.init_opacity, init_scale: float = TrainConfig.init_scale) -> "Splats":
     """Gaussians from SfM points ``[P, 3]`` and colours ``[P, 3]`` uint8 (float32 CPU tensors).
 
     Raises UserError when there are too few points to initialise from.
@@ -319,11 +313,9 @@ def render_view(splats: Splats, camera, sh_degree: int, backend: str = "auto") -
     """One view ``[H, W, 3]`` in [0, 1], black background, on the splats' device.
 
     ``camera`` has ``world_to_cam [4, 4]``, ``K [3, 3]``, ``width`` and ``height`` (a ``View`` of the scene or a
-    ``prune.Camera``). Only the active ``(sh_degree+1)^2`` SH bands are passed to the rasterizer. Move the splats
-    to the backend's device once (``splats.to(device)``), not per view: a mismatch raises.
+    :class:`splatflow.scoring.Camera`). Only the active ``(sh_degree+1)^2`` SH bands are passed to the rasterizer.
+    Move the splats to the backend's device once (``splats.to(device)``), not per view: a mismatch raises.
     """
-    from splatflow.render import rasterize, resolve_backend
-
     name = resolve_backend(backend)
     dev = splats.device
     if (name == "cuda") != (dev.type == "cuda"):

@@ -14,21 +14,24 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Optional
 
 import typer
 
+from splatflow.config import ConfigError, load_params
 from splatflow.errors import UserError
-
-PREFECT_PORT = 4200
-MLFLOW_PORT = 5000
+from splatflow.orchestrate import servers
+from splatflow.orchestrate.plots import render_csv_png
+from splatflow.orchestrate.rerun import rerun_commit
+from splatflow.orchestrate.dvcrun import check_sources
+from splatflow.orchestrate.workspace import apply_overrides, parse_override
+from splatflow.paths import ScenePaths, repo_root, require_project_root
 
 
 def _root() -> Path:
-    from splatflow.paths import require_project_root
-
     return require_project_root()
 
 
@@ -40,8 +43,8 @@ def _quiet_env() -> None:
 
 
 def _use_local_prefect_server(say_temporary: bool = True) -> None:
-    """Without ``PREFECT_API_URL``, use a Prefect server on 127.0.0.1:4200 when one answers (``splatflow ui``):
-    the runs then show in its UI, and no 6-9 s ephemeral server is started per process."""
+    """Without ``PREFECT_API_URL``, use a Prefect server on 127.0.0.1 (port ``servers.PREFECT_PORT``) when one
+    answers (``splatflow ui``): the runs then show in its UI, and no 6-9 s ephemeral server is started per process."""
     _quiet_env()
     # a temporary server on a busy machine can take longer than Prefect's 20 s default to come up
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
@@ -49,15 +52,15 @@ def _use_local_prefect_server(say_temporary: bool = True) -> None:
         return
     import urllib.request
 
-    url = f"http://127.0.0.1:{PREFECT_PORT}/api"
+    url = f"http://127.0.0.1:{servers.PREFECT_PORT}/api"
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=1) as r:
             if r.status == 200:
                 os.environ["PREFECT_API_URL"] = url
     except OSError:
         if say_temporary:
-            typer.echo(f"(no Prefect server on 127.0.0.1:{PREFECT_PORT}: using a temporary one; start `splatflow ui` "
-                       "to see runs in the Prefect UI)", err=True)
+            typer.echo(f"(no Prefect server on 127.0.0.1:{servers.PREFECT_PORT}: using a temporary one; start "
+                       "`splatflow ui` to see runs in the Prefect UI)", err=True)
 
 
 SCENE_DEPLOYMENT = "reconstruct/scene"  # what `splatflow serve` deploys and a batch hands its scenes to
@@ -71,7 +74,7 @@ def _require_deployment(name: str) -> None:
     url = os.environ.get("PREFECT_API_URL")
     if not url:  # a temporary server was going to be started: it holds no deployments
         raise UserError(f"a batch runs its scenes through the {name!r} deployment's workers, but no Prefect server "
-                        f"answers on 127.0.0.1:{PREFECT_PORT} (and PREFECT_API_URL is not set): start "
+                        f"answers on 127.0.0.1:{servers.PREFECT_PORT} (and PREFECT_API_URL is not set): start "
                         "`splatflow ui`, then " + _NO_DEPLOYMENT_FIX)
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
@@ -95,6 +98,29 @@ def _flows():
     return root
 
 
+def _check_scenes(root: Path, scenes: list[str], override_sets: list[dict] = (), sources: bool = True) -> None:
+    """Refuse before Prefect starts: a scene that is not in params.yaml, an override that params.yaml would refuse
+    (in a worktree, only a stage's own log would have said so, under the tracebacks of the flow run and of every
+    task), and with ``sources`` a capture that is not there."""
+    params = load_params(root / "params.yaml")
+    for s in scenes:
+        params.scene(s)  # an unknown scene: a ConfigError naming `splatflow add-scene`
+    for overrides in override_sets:
+        if not overrides:
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            trial = Path(tmp) / "params.yaml"
+            trial.write_text((root / "params.yaml").read_text())
+            apply_overrides(trial, overrides)
+            try:
+                load_params(trial)
+            except ConfigError as e:
+                given = ",".join(f"{k}={v}" for k, v in overrides.items())
+                raise UserError(f"override {given}: {str(e).replace(str(trial), 'params.yaml')}") from None
+    if sources:
+        check_sources(root, scenes)
+
+
 servers_app = typer.Typer()
 flows_app = typer.Typer()
 runs_app = typer.Typer(help="MLflow run maintenance", no_args_is_help=True)
@@ -104,16 +130,13 @@ SERVERS, FLOWS, RESULTS = "Servers and schedules", "Prefect flows", "Results"
 
 
 @servers_app.command("ui", rich_help_panel=SERVERS)
-def ui(prefect_port: int = typer.Option(PREFECT_PORT, help="Prefect server port"),
-       mlflow_port: int = typer.Option(MLFLOW_PORT, help="MLflow server port"),
+def ui(prefect_port: int = typer.Option(servers.PREFECT_PORT, min=1, max=65535, help="Prefect server port"),
+       mlflow_port: int = typer.Option(servers.MLFLOW_PORT, min=1, max=65535, help="MLflow server port"),
        host: str = typer.Option("127.0.0.1", help="address to bind (keep loopback unless you mean to share)"),
        prefect_home: Optional[Path] = typer.Option(None, help="Prefect database folder "
                                                    "(default: $PREFECT_HOME or ~/.prefect)")):
     """Start the Prefect and MLflow servers (low-memory settings), print their URLs; Ctrl-C stops both."""
-    from splatflow.orchestrate import servers
-
     _quiet_env()
-    from splatflow.paths import repo_root
 
     root = repo_root()  # the project's folder, or the cwd: the MLflow store and server logs go there
     home = prefect_home or Path(os.environ.get("PREFECT_HOME", Path.home() / ".prefect"))
@@ -123,16 +146,27 @@ def ui(prefect_port: int = typer.Option(PREFECT_PORT, help="Prefect server port"
         started.append(pf)
         ml = servers.start_mlflow(mlflow_port, host=host, root=root, log_dir=root / ".splatflow")
         started.append(ml)
-        typer.echo("starting Prefect and MLflow servers ...")
+        typer.echo(f"starting the Prefect and MLflow servers (a first start takes up to 2 minutes; logs "
+                   f"{pf.log.parent}) ...")
         for s in started:
-            s.wait_healthy(180)
+            s.wait_healthy(180, on_wait=lambda t, s=s: typer.echo(f"  {s.name}: not up yet after {t:.0f} s ..."))
+            typer.echo(f"  {s.name}: up")
     except (RuntimeError, TimeoutError) as e:
         for s in started:
             s.stop()
         raise UserError(str(e)) from None
+    from splatflow import tracking  # lazy: MLflow loads only for the commands that read runs
+
+    store = f"sqlite:///{root / 'mlflow.db'}"
+    runs_url = ml.url
+    try:  # the experiment's runs table in the model-training view, with the headline metrics as columns
+        cl = tracking.client(store)
+        runs_url = tracking.experiment_ui_url(tracking.experiment_id(cl, uri=store), ml.url)
+    except Exception as e:  # noqa: BLE001 - the bare address still works
+        typer.echo(f"(could not prepare the splatflow experiment in {store}: {e})", err=True)
     typer.secho(f"Prefect UI  {pf.url}    (log {pf.log})", fg=typer.colors.GREEN)
-    typer.secho(f"MLflow UI   {ml.url}    (log {ml.log}; store sqlite:///{root / 'mlflow.db'})",
-                fg=typer.colors.GREEN)
+    typer.secho(f"MLflow UI   {runs_url}", fg=typer.colors.GREEN)
+    typer.echo(f"            (log {ml.log}; store {store})")
     typer.echo(f"\nIn other shells:\n  export PREFECT_API_URL={pf.url}/api\n"
                f"  export MLFLOW_TRACKING_URI=sqlite:///{root / 'mlflow.db'}   # or {ml.url}\n"
                "Ctrl-C stops both servers.")
@@ -161,11 +195,11 @@ def ui(prefect_port: int = typer.Option(PREFECT_PORT, help="Prefect server port"
 
 @servers_app.command("serve", rich_help_panel=SERVERS)
 def serve(pool: str = typer.Option("splatflow", help="process work pool name"),
-          workers: int = typer.Option(1, help="workers to start on this machine (0: start them yourself)"),
+          workers: int = typer.Option(1, min=0, help="workers to start on this machine (0: start them yourself)"),
           cron: str = typer.Option("0 3 * * *", help="schedule of the batch/nightly deployment ('' = none)"),
           scenes: Optional[list[str]] = typer.Option(None, "--scene", help="scenes of the scheduled batch "
                                                      "(default: all)"),
-          max_concurrent: int = typer.Option(2, help="scene runs in flight per batch"),
+          max_concurrent: int = typer.Option(2, min=1, help="scene runs in flight per batch"),
           repo: Optional[Path] = typer.Option(None, help="project folder workers run from (default: here)")):
     """Create the work pool and deployments, start workers, and serve the scheduled batch until Ctrl-C."""
     _use_local_prefect_server()
@@ -176,8 +210,6 @@ def serve(pool: str = typer.Option("splatflow", help="process work pool name"),
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
     from flows.deployments import deploy_scene, ensure_pool, serve_forever
-
-    from splatflow.orchestrate import servers
 
     ensure_pool(pool)
     deploy_scene(root, pool)
@@ -212,13 +244,12 @@ def flow_cmd(scene: str = typer.Argument("demo", help="scene to reconstruct"),
              worktree: bool = typer.Option(False, help="run in a throw-away git worktree of HEAD"),
              set_: Optional[list[str]] = typer.Option(None, "--set", "-S",
                                                       help="param override key=value (implies --worktree)"),
-             stage_timeout: Optional[float] = typer.Option(None, help="seconds before a stage is killed")):
+             stage_timeout: Optional[float] = typer.Option(None, min=1.0, help="seconds before a stage is killed")):
     """Run one scene through the Prefect ``reconstruct`` flow (one task per DVC stage)."""
-    from splatflow.orchestrate.workspace import parse_override
-
     overrides = dict(parse_override(s) for s in set_ or []) or None
-    _use_local_prefect_server()
     root = _flows()
+    _check_scenes(root, [scene], [overrides or {}])
+    _use_local_prefect_server()
     from flows.reconstruct import reconstruct
 
     ws = "worktree" if (worktree or overrides) else "inplace"
@@ -231,17 +262,18 @@ def flow_cmd(scene: str = typer.Argument("demo", help="scene to reconstruct"),
 def batch_cmd(scenes: Optional[list[str]] = typer.Argument(None, help="scenes (default: all)"),
               sweep: Optional[list[str]] = typer.Option(None, "--config", "-c",
                                                         help="one sweep config: 'k=v,k2=v2' (repeatable)"),
-              max_concurrent: int = typer.Option(2, help="scene runs in flight"),
+              max_concurrent: int = typer.Option(2, min=1, help="scene runs in flight"),
               local: bool = typer.Option(False, help="run children in this process instead of the work pool"),
               force: bool = typer.Option(False, help="rerun stages DVC finds up to date")):
     """Run many scenes and/or a sweep as one batch (children via the work pool unless --local)."""
-    from splatflow.orchestrate.workspace import parse_override
-
     configs = [dict(parse_override(kv) for kv in c.split(",") if kv.strip()) for c in sweep or []] or None
+    root = _flows()
+    # the captures are checked where each scene runs (a worker's worktree may see other paths)
+    _check_scenes(root, list(scenes or sorted(load_params(root / "params.yaml").base.scenes)), configs or [],
+                  sources=False)
     _use_local_prefect_server(say_temporary=local)
     if not local:
         _require_deployment(SCENE_DEPLOYMENT)
-    root = _flows()
     from flows.batch import batch
 
     state = batch(scenes=scenes or None, sweep=configs, max_concurrent=max_concurrent,
@@ -256,10 +288,10 @@ def batch_cmd(scenes: Optional[list[str]] = typer.Argument(None, help="scenes (d
 
 @runs_app.command("reap")
 def reap_cmd(older_than_hours: Optional[float] = typer.Option(
-                 None, help="also reap RUNNING runs of other hosts / without owner tags older than this"),
+                 None, min=0.0, help="also reap RUNNING runs of other hosts / without owner tags older than this"),
              dry_run: bool = typer.Option(False, help="only list what would be reaped")):
     """Mark KILLED the runs left RUNNING by a process that no longer exists."""
-    from splatflow import tracking
+    from splatflow import tracking  # lazy: MLflow loads only for the commands that read runs
 
     reaped = tracking.reap(older_than_hours=older_than_hours, dry_run=dry_run)
     for r in reaped:
@@ -268,43 +300,112 @@ def reap_cmd(older_than_hours: Optional[float] = typer.Option(
 
 
 @runs_app.command("list")
-def list_cmd(n: int = typer.Option(10, "-n", "--n", "--limit", help="how many"),
+def list_cmd(n: int = typer.Option(10, "-n", "--n", "--limit", min=1, help="how many"),
              scene: Optional[str] = typer.Option(None, help="only the runs of this scene")):
-    """The newest runs (any status)."""
-    from splatflow import tracking
+    """The newest runs (any status) with their headline metrics; `compare` takes the ids shown."""
+    from splatflow import tracking  # lazy: MLflow loads only for the commands that read runs
 
-    for r in tracking.latest_runs(n, scene=scene, status=None):
-        t = r.data.tags
-        typer.echo(f"{r.info.run_id}  {r.info.status:9s} {t.get('splatflow.scene', '-'):10s} "
-                   f"{(t.get('git.commit') or '')[:10]:10s} {r.info.run_name}")
+    runs = tracking.latest_runs(n, scene=scene, status=None)
+    if not runs:
+        typer.echo(f"no runs{f' of scene {scene}' if scene else ''} in {tracking.tracking_uri()}")
+        return
+    typer.echo(f"{'run':{tracking.SHORT_ID}s}  {'status':9s} {'scene':10s} {'commit':10s} {'PSNR':>7s} {'SSIM':>6s} "
+               f"{'LPIPS':>6s} {'Gaussians':>9s} {'train s':>8s}  name")
+    for r in runs:
+        t, m = r.data.tags, r.data.metrics
+
+        def num(key: str, spec: str, width: int) -> str:
+            v = m.get(key)
+            return f"{v:{width}{spec}}" if v is not None else f"{'-':>{width}s}"
+
+        typer.echo(f"{tracking.short_id(r.info.run_id)}  {r.info.status:9s} {t.get('splatflow.scene', '-'):10s} "
+                   f"{(t.get('git.commit') or '')[:10]:10s} {num('evaluate.psnr', '.2f', 7)} "
+                   f"{num('evaluate.ssim', '.3f', 6)} {num('evaluate.lpips_alex', '.3f', 6)} "
+                   f"{num('evaluate.gaussians', ',.0f', 9)} {num('train.train_seconds', '.1f', 8)}  "
+                   f"{r.info.run_name}")
+
+
+def _cell(v, width: int = 14) -> str:
+    """A value of the compare table: numbers to 6 significant digits, nothing for a missing one."""
+    import math
+
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        text = "-"
+    elif isinstance(v, float):
+        text = f"{v:.6g}"
+    else:
+        text = str(v)
+    return text if len(text) <= width else text[:width - 1] + "~"
+
+
+def _signed(v) -> str:
+    import math
+
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return ""
+    return f"{v:+.4g}"
 
 
 @results_app.command("compare", rich_help_panel=RESULTS)
-def compare_cmd(run_ids: Optional[list[str]] = typer.Argument(None, help="runs (default: the two newest "
-                                                               "finished scene runs)"),
+def compare_cmd(run_ids: Optional[list[str]] = typer.Argument(None, help="two or more runs: an id, a unique start "
+                                                               "of one (as `runs list` prints) or a run name "
+                                                               "(default: the two newest finished scene runs)"),
                 all_params: bool = typer.Option(False, help="show equal params too"),
+                all_metrics: bool = typer.Option(False, "--all", help="show every final metric, equal ones too"),
                 scene: Optional[str] = typer.Option(None, help="with no RUNs: newest runs of this scene"),
                 html_out: Optional[Path] = typer.Option(None, "--html", help="also write a side-by-side page of "
                                                         "two runs (params, metric deltas, curves, test views)")):
-    """Side-by-side table of runs: params that differ, and every final metric."""
-    import pandas as pd
-
-    from splatflow import tracking
+    """Runs side by side: headline metrics and their deltas, the params that differ, then the other metrics."""
+    from splatflow import tracking  # lazy: MLflow loads only for the commands that read runs
 
     ids = list(run_ids or [])
+    if len(ids) == 1:
+        raise UserError(f"compare needs two or more runs, got one ({ids[0]}): add another run id from "
+                        "`splatflow runs list`, or give none to compare the two newest")
+    if html_out is not None and len(ids) not in (0, 2):
+        raise UserError(f"--html compares exactly two runs, got {len(ids)}")
     if not ids:
         ids = [r.info.run_id for r in tracking.latest_runs(2, scene=scene)
                if r.data.tags.get("splatflow.kind") != "batch"]
         if len(ids) < 2:
             raise UserError("fewer than two finished runs to compare; pass run ids (`splatflow runs list`)")
-    df = tracking.compare(ids, all_params=all_params)
-    df = df[[not (k == "metric" and "/" in key) for k, key in df.index]]  # live curves: see the MLflow UI
-    with pd.option_context("display.max_rows", None, "display.max_columns", None, "display.width", 200,
-                           "display.max_colwidth", 40):
-        typer.echo(df.to_string())
+    ids = tracking.resolve_run_ids(ids)
+    if len(set(ids)) < len(ids):
+        raise UserError("the runs given name the same run twice; give different runs (`splatflow runs list`)")
+    cl = tracking.client()
+    runs = [cl.get_run(i) for i in ids]
+    letters = [chr(ord("A") + i) for i in range(len(runs))]
+    for letter, r in zip(letters, runs):
+        typer.echo(f"{letter}  {tracking.describe_run(r)}")
+    df = tracking.compare(ids, all_params=all_params, all_metrics=all_metrics)
+    two = "delta" in df.columns
+    header = "".join(f"{x:>14s}" for x in letters) + (f"{'B - A':>12s}" if two else "")
+
+    def section(kind: str, title: str, width: int) -> int:
+        part = df[[k == kind for k, _ in df.index]]
+        if part.empty:
+            return 0
+        typer.echo(f"\n{title:{width}s}{header}")
+        for (_, key), row in part.iterrows():
+            cells = "".join(f"{_cell(v):>14s}" for v in row.iloc[:len(runs)])
+            shown = key if len(key) <= width - 1 else key[:width - 2] + "~"
+            typer.echo(f"{shown:{width}s}{cells}" + (f"{_signed(row['delta']):>12s}" if two else ""))
+        return len(part)
+
+    section("headline", "headline metrics", 24)
+    if not section("param", "params that differ" if not all_params else "params", 44):
+        typer.echo("\nparams: all equal")
+    n_other = sum(1 for r in runs for k in r.data.metrics if "/" not in k)
+    if not section("metric", "other final metrics" + ("" if all_metrics else " that differ"), 44) and n_other:
+        typer.echo("\nother final metrics: all equal")
+    if not all_metrics:
+        typer.echo("(--all: every final metric, equal ones too)")
+    notes = [(letter, tracking.curve_note(cl, r)) for letter, r in zip(letters, runs)]
+    missing = [f"{letter} has none: {note}" for letter, note in notes if note]
+    typer.echo("\ntraining curves: " + ("; ".join(missing) if missing else "every run has one")
+               + ("" if html_out is not None or len(missing) == len(runs) else " (--html OUT plots them)"))
     if html_out is not None:
-        if len(ids) != 2:
-            raise UserError(f"--html compares exactly two runs, got {len(ids)}")
+        # lazy: MLflow loads only for the commands that read runs
         from splatflow.compare_html import write_compare_html
 
         typer.echo(f"wrote {write_compare_html(ids[0], ids[1], html_out)}")
@@ -321,11 +422,14 @@ def rerun_cmd(commit: str = typer.Argument(..., help="git commit (or ref) to rep
               keep: bool = typer.Option(False, help="keep the worktree for inspection"),
               verbose: bool = typer.Option(False, "-v", help="stream DVC output")):
     """Reproduce a commit in a temporary worktree, log it to MLflow linked to the original, diff metrics."""
-    from splatflow.orchestrate.rerun import rerun_commit
-
     _quiet_env()
+    root = _root()
+    if run is not None:  # a short id or a run name, as `runs list` prints them
+        from splatflow import tracking  # lazy: MLflow loads only for the commands that read runs
+
+        run = tracking.resolve_run_ids([run])[0]
     try:
-        results = rerun_commit(_root(), commit, scenes=scene or None, run_id=run, rtol=rtol, atol=atol,
+        results = rerun_commit(root, commit, scenes=scene or None, run_id=run, rtol=rtol, atol=atol,
                                keep=keep, on_line=typer.echo if verbose else None, log=typer.echo)
     except ValueError as e:  # a commit without that scene's stages
         raise UserError(str(e)) from None
@@ -354,10 +458,9 @@ def rerun_cmd(commit: str = typer.Argument(..., help="git commit (or ref) to rep
 @results_app.command("plots", rich_help_panel=RESULTS)
 def plots_cmd(scene: str = typer.Argument("demo")):
     """Render plots/<scene>/train.csv to plots/<scene>/train.png (DVC's HTML plots need the web)."""
-    from splatflow.orchestrate.plots import render_csv_png
-    from splatflow.paths import ScenePaths
-
-    paths = ScenePaths(scene, _root())
+    root = _root()
+    load_params(root / "params.yaml").scene(scene)  # an unknown scene: a ConfigError naming `splatflow add-scene`
+    paths = ScenePaths(scene, root)
     if not paths.train_csv.exists():
         raise UserError(f"{paths.train_csv} does not exist: run the train stage first (`splatflow run {scene}`)")
     out = render_csv_png(paths.train_csv, paths.train_csv.with_suffix(".png"), title=f"{scene}: train")

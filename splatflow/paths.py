@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from splatflow.errors import UserError
+
 
 def project_root(start: str | Path | None = None) -> Path:
     """The checkout a command works in: the nearest folder holding params.yaml and dvc.yaml, searching upwards
@@ -38,8 +40,6 @@ def experiment_origin(path: Path) -> Path | None:
 
 def require_project_root(start: str | Path | None = None) -> Path:
     """:func:`repo_root`, or a :class:`~splatflow.errors.UserError` saying where to run from when there is none."""
-    from splatflow.errors import UserError
-
     root = repo_root(start)
     if not (root / "params.yaml").exists() or not (root / "dvc.yaml").exists():
         raise UserError(f"no params.yaml and dvc.yaml in {root} or its parents: run splatflow from the project "

@@ -9,18 +9,7 @@ others). They cost memory, disk and render time for nothing. LightGaussian ranks
 contributes to the training images and drops the least significant ones, then briefly fine-tunes the rest
 ("recovery") so they absorb what the removed ones did.
 
-Global significance (paper §3.2): ``GS_j = sum_i 1(G(X_j), r_i) * sigma_j * gamma(Sigma_j)`` over all rays
-``r_i`` of all training views (``M * H * W`` pixels). The indicator times opacity is, in the rasterizer, the
-compositing weight of Gaussian ``j`` at pixel ``i``; like the authors' released rasterizer we use the full weight
-``alpha_ij * T_ij`` (alpha times the transmittance in front of it), so a Gaussian hidden behind an opaque surface
-scores ~0 even where it overlaps the pixel. Our rasterizer returns exactly this per-view sum as
-``info["weight_sum"] [C, N]`` (``return_stats=True``; docs/CONTRACTS.md "Rendering").
-
-Volume term (same section): ``gamma(Sigma_j) = V_norm ** beta``, ``V_norm = min(max(V_j / V_max90, 0), 1)`` with
-``V_j`` the Gaussian's volume (product of its three scales; the 4/3 pi factor cancels in the ratio), ``V_max90``
-the volume 90% of the Gaussians exceed, and ``beta = 0.1``. It keeps a large but faint background Gaussian from
-losing against a tiny one that happens to be sharp; with the clamp it only down-weights the smallest Gaussians.
-Deviation: the authors' code divides by ``V_max90`` without the clamp; we follow the paper's equation.
+The scores themselves are in :mod:`splatflow.scoring` (shared with pruning during training).
 
 Phases: pruning all the way to 10% at once destroys the scene; pruning in steps with a short recovery after each
 (the "prune and recover" of the paper, here repeated) lets the survivors adapt. Each phase re-scores the current
@@ -28,7 +17,8 @@ model, so a Gaussian that became important after the previous recovery is kept. 
 last accepted phase, when the PSNR on a few TRAINING views falls more than a tolerance below the unpruned model's
 (test views stay untouched, docs/design.md §6).
 
-Deviations from LightGaussian, each measured on the demo scene (bench/RESULTS.md, session 4), all configurable:
+Deviations from LightGaussian, each measured on the demo scene (docs/experiments.md, Pruning, 2026-11-25), all
+configurable:
 
 - The default score is the REMOVAL cost (``prune.score: removal``), not the significance: for each Gaussian, the
   exact growth of the training views' squared error if it alone were removed (:func:`removal_scores`). The
@@ -38,160 +28,43 @@ Deviations from LightGaussian, each measured on the demo scene (bench/RESULTS.md
 - Each phase cuts in ``score_rounds`` geometric steps, re-scoring the survivors before each. Single-removal
   costs cannot see redundancy: of two look-alike Gaussians each is cheap to remove while the other stays, and
   one cut drops both. After a smaller cut the remaining one becomes expensive and is kept.
-- The recovery moves positions at ``prune.finetune_means_lr`` x the initial training rate (0.3) instead of the
-  final one (0.01): at the final rate the survivors barely move into the gaps the removed ones leave.
+- The recovery moves positions at ``prune.finetune_means_lr`` x the initial training rate: by default training's
+  final one (0.01). Deep cuts of the synthetic demo recovered better at 0.3 (the survivors move into the gaps the
+  removed ones leave), but on a real 360-degree capture halved once, 0.3 fitted the training views and lost
+  0.4 dB more on the test views than 0.01 (bench/RESULTS.md, "Real captures").
 """
 
 from __future__ import annotations
 
-import math
+import copy
+import hashlib
+import json
+import logging
 import time
 from collections import abc
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Sequence
 
-import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from splatflow import device as devices
+from splatflow import stop
+from splatflow.config import PruneConfig, section_dict
 from splatflow.errors import UserError
-from splatflow.model import Splats, render_view
+from splatflow.model import Checkpoint, Splats, save_checkpoint
+from splatflow.scene.dataset import load_scene
+from splatflow.scene.images import ImageCache
+from splatflow.scoring import (SCORES, Camera, cameras_at, mean_psnr, removal_scores, significance, top_indices,
+                               val_indices)
+from splatflow.train import finetune as _finetune
+from splatflow.train.prune_during import verify
+
+log = logging.getLogger("splatflow.prune")
 
 # A recovery fine-tune: (splats, sh_degree, steps, description) -> fine-tuned splats (detached float32 CPU).
 FinetuneFn = Callable[[Splats, int, int, str], Splats]
-SCORES = ("significance", "removal")
-
-
-# --------------------------------------------------------------------------------------------- cameras
-
-
-@dataclass(frozen=True)
-class Camera:
-    """One view as the rasterizer wants it: world-to-camera ``[4, 4]``, intrinsics ``[3, 3]``, size in px."""
-
-    world_to_cam: np.ndarray
-    K: np.ndarray
-    width: int
-    height: int
-
-
-def cameras_at(views: Sequence, factor: float) -> list[Camera]:
-    """Cameras of ``views`` (``splatflow.scene.dataset.View``) at resolution ``factor`` (intrinsics rescaled)."""
-    from splatflow.scene.images import level_size, scale_intrinsics
-
-    cams = []
-    for v in views:
-        w, h = level_size(v.width, v.height, factor)
-        cams.append(Camera(np.asarray(v.world_to_cam, dtype=np.float64), scale_intrinsics(v.K, v.width, v.height,
-                                                                                            w, h), w, h))
-    return cams
-
-
-# --------------------------------------------------------------------------------------------- scoring
-
-
-def volume_weight(log_scales: torch.Tensor, beta: float = 0.1, ref_quantile: float = 0.1) -> torch.Tensor:
-    """LightGaussian's ``gamma(Sigma) = clamp(V / V_ref, 0, 1) ** beta`` per Gaussian, ``[N]``.
-
-    ``V = prod(scales)`` (computed in log space, so tiny Gaussians do not underflow); ``V_ref`` is the volume at
-    quantile ``ref_quantile`` of the ascending order, i.e. the one a fraction ``1 - ref_quantile`` of the
-    Gaussians exceed (paper: "the 90% largest", ``ref_quantile = 0.1``). ``beta = 0`` disables the term.
-    """
-    n = log_scales.shape[0]
-    if n == 0 or beta == 0.0:
-        return torch.ones(n, dtype=torch.float64, device=log_scales.device)
-    log_v = log_scales.double().sum(dim=-1)  # [N] log volume (up to the constant 4/3 pi)
-    idx = min(n - 1, max(0, int(math.floor(ref_quantile * n))))
-    log_ref = torch.sort(log_v).values[idx]
-    return torch.exp(beta * torch.clamp(log_v - log_ref, max=0.0))  # clamp(V / V_ref, 0, 1) ** beta
-
-
-def _backend_device(backend: str) -> tuple[str, torch.device]:
-    """The concrete backend ("auto" resolved, CUDA availability checked) and the device its inputs live on."""
-    from splatflow.render import resolve_backend
-
-    name = resolve_backend(backend)
-    return name, torch.device("cuda" if name == "cuda" else "cpu")
-
-
-@torch.no_grad()
-def view_weight_sums(splats: Splats, cameras: Sequence[Camera], *, backend: str = "auto",
-                     progress: bool = False, desc: str = "significance") -> torch.Tensor:
-    """``sum over views of info["weight_sum"]``: each Gaussian's summed ``alpha * T`` over all pixels, ``[N]``.
-
-    One view per rasterizer call, so memory stays that of one image whatever the number of views. Colours do
-    not change the weights, so the renders use constant RGB (no SH evaluation).
-    """
-    from splatflow.render import rasterize
-
-    backend, dev = _backend_device(backend)
-    a = Splats.of(splats).to(dev).activated()
-    n = a.means.shape[0]
-    total = torch.zeros(n, dtype=torch.float64, device="cpu")  # scores live on the host
-    if n == 0:
-        return total
-    rgb = torch.zeros(n, 3, device=dev)  # [N, 3]: weights do not depend on colour
-    for cam in tqdm(cameras, desc=desc, disable=not progress, leave=False):
-        viewmat = torch.as_tensor(cam.world_to_cam, dtype=torch.float32, device=dev)[None]  # [1, 4, 4]
-        K = torch.as_tensor(cam.K, dtype=torch.float32, device=dev)[None]  # [1, 3, 3]
-        _, _, info = rasterize(a.means, a.quats, a.scales, a.opacities, rgb, viewmat, K,
-                               cam.width, cam.height, backend=backend, return_stats=True)
-        if "weight_sum" not in info:
-            # gsplat's CUDA rasterizer has no per-Gaussian weight output; our wrapper must provide it.
-            raise UserError(f"the {backend!r} rasterizer backend returned no per-Gaussian weight sums, which "
-                            "significance pruning needs; set prune.backend: cpu in params.yaml")
-        total += info["weight_sum"][0].double().cpu()  # [N]
-    return total
-
-
-def significance(splats: Splats, cameras: Sequence[Camera], *, beta: float = 0.1,
-                 ref_quantile: float = 0.1, backend: str = "auto", progress: bool = False) -> torch.Tensor:
-    """LightGaussian global significance ``GS_j`` of every Gaussian over ``cameras`` (training views), ``[N]``."""
-    weights = view_weight_sums(splats, cameras, backend=backend, progress=progress)
-    return weights * volume_weight(Splats.of(splats).scales, beta, ref_quantile)
-
-
-@torch.no_grad()
-def removal_scores(splats: Splats, sh_degree: int, cameras: Sequence[Camera],
-                   targets: Sequence[torch.Tensor], *, progress: bool = False) -> torch.Tensor:
-    """Each Gaussian's removal cost over ``cameras``: how much the summed squared error against ``targets``
-    (training images ``[H, W, 3]``) would grow if it alone were removed, ``[N]`` (may be negative).
-
-    Unlike the significance, which counts how much a Gaussian is SEEN, this counts what it is WORTH: a large
-    Gaussian whose colour matches what lies behind or around it costs little to remove, a small one that draws
-    an edge costs a lot. Exact per Gaussian (:func:`splatflow.render.removal_loss`); what removing many at once
-    does is left to the re-scored rounds and the recovery fine-tune (:func:`prune_phases`). ``targets`` is
-    indexed view by view, so it may decode on demand (:class:`CachedImages`).
-
-    This score runs on the CPU kernels whatever the run's device: it needs, per pixel, every Gaussian's
-    contribution and the colour composited behind it, which only our numba backward exposes (gsplat's CUDA
-    backward sums them into gradients). On a GPU run the splats are copied to the host for scoring; the recovery
-    fine-tune and the validation renders stay on the GPU.
-    """
-    from splatflow.render import removal_loss
-
-    # the removal kernels are the CPU ones (see above); SH as stored, so no view copies the [N, K, 3] bands
-    a = Splats.of(splats).to("cpu").activated(sh_degree, sh_pair=True)
-    n = a.means.shape[0]
-    total = torch.zeros(n, dtype=torch.float64, device="cpu")
-    for i in tqdm(range(len(cameras)), desc="removal cost", disable=not progress, leave=False):
-        cam, tgt = cameras[i], targets[i]
-        viewmat = torch.as_tensor(cam.world_to_cam, dtype=torch.float32, device="cpu")[None]  # [1, 4, 4]
-        K = torch.as_tensor(cam.K, dtype=torch.float32, device="cpu")[None]  # [1, 3, 3]
-        _, inc = removal_loss(a.means, a.quats, a.scales, a.opacities, a.colors, viewmat, K, cam.width,
-                              cam.height, sh_degree=sh_degree, target=tgt[None])
-        total += inc[0].double()
-    return total
-
-
-def top_indices(scores: torch.Tensor, n_keep: int) -> torch.Tensor:
-    """Indices of the ``n_keep`` highest scores, in ascending index order (ties: the lower index wins).
-
-    A stable sort makes the kept set deterministic; ascending order keeps the survivors' storage order.
-    """
-    n_keep = max(0, min(int(n_keep), scores.shape[0]))
-    order = torch.sort(-scores, stable=True).indices  # [N] best first
-    return torch.sort(order[:n_keep]).values
 
 
 def keep_schedule(keep_first: float, keep_decay: float, phases: int) -> list[float]:
@@ -203,29 +76,6 @@ def keep_schedule(keep_first: float, keep_decay: float, phases: int) -> list[flo
     return [f for f in fracs if f < 1.0]
 
 
-# --------------------------------------------------------------------------------------------- validation
-
-
-@torch.no_grad()
-def mean_psnr(splats: Splats, sh_degree: int, cameras: Sequence[Camera],
-              targets: Sequence[torch.Tensor], backend: str = "auto") -> float:
-    """Mean per-view PSNR (dB) of renders (black background, as training) against ``targets`` ``[H, W, 3]``
-    in [0, 1] (host tensors)."""
-    from splatflow.metrics import psnr
-
-    backend, dev = _backend_device(backend)
-    splats = Splats.of(splats).to(dev)  # once, not per view
-    vals = [psnr(render_view(splats, cam, sh_degree, backend).cpu(), tgt) for cam, tgt in zip(cameras, targets)]
-    return float(np.mean(vals)) if vals else float("nan")
-
-
-def val_indices(n_train: int, n_val: int) -> list[int]:
-    """``n_val`` evenly spaced indices into the training views (all of them when there are fewer)."""
-    if n_train <= n_val:
-        return list(range(n_train))
-    return sorted({int(round(x)) for x in np.linspace(0, n_train - 1, n_val)})
-
-
 # --------------------------------------------------------------------------------------------- driver
 
 
@@ -235,22 +85,19 @@ class PruneResult:
     report: dict = field(default_factory=dict)
 
 
-def prune_phases(splats: Splats, sh_degree: int, *, score_cameras: Sequence[Camera],
+def prune_phases(splats: Splats, sh_degree: int, cfg: PruneConfig, *, score_cameras: Sequence[Camera],
                  val_cameras: Sequence[Camera], val_targets: Sequence[torch.Tensor], keep_fractions: Sequence[float],
-                 finetune: FinetuneFn | None, finetune_steps: int, max_psnr_drop_db: float,
-                 finetune_growth: float = 0.0, score: str = "significance", score_rounds: int = 1,
-                 score_targets: Sequence[torch.Tensor] | None = None, beta: float = 0.1,
-                 ref_quantile: float = 0.1, backend: str = "auto", progress: bool = True,
+                 finetune: FinetuneFn | None, score_targets: Sequence[torch.Tensor] | None = None,
                  phase_callback: Callable[[dict, dict], None] | None = None, resume: dict | None = None,
                  on_accepted: Callable[[dict], None] | None = None) -> PruneResult:
     """Prune ``splats`` in phases down to ``keep_fractions`` (of the ORIGINAL count), recovering after each.
 
-    Each phase: score the current model on ``score_cameras`` (training views; ``score`` is "significance" or
-    "removal", which needs the images ``score_targets``), keep the top ``round(fraction * N0)`` (in
-    ``score_rounds`` geometric cuts, re-scoring before each), fine-tune
-    ``finetune_steps * fraction**-finetune_growth`` steps, measure validation PSNR. A phase whose PSNR is more
-    than ``max_psnr_drop_db`` below the unpruned model's is rejected and pruning stops; the result is the last
-    accepted phase (the unpruned model if the first phase is rejected).
+    Each phase, with the settings of ``cfg`` (:class:`splatflow.config.PruneConfig`): score the current model on
+    ``score_cameras`` (training views; ``cfg.score`` is "significance" or "removal", which needs the images
+    ``score_targets``), keep the top ``round(fraction * N0)`` (in ``cfg.score_rounds`` geometric cuts, re-scoring
+    before each), fine-tune ``cfg.finetune_steps * fraction**-cfg.finetune_growth`` steps, measure validation PSNR.
+    A phase whose PSNR is more than ``cfg.max_psnr_drop_db`` below the unpruned model's is rejected and pruning
+    stops; the result is the last accepted phase (the unpruned model if the first phase is rejected).
     ``phase_callback(record, splats)`` is called after every phase (accepted or not), e.g. for the benchmark's
     test-view PSNR.
 
@@ -260,9 +107,9 @@ def prune_phases(splats: Splats, sh_degree: int, *, score_cameras: Sequence[Came
 
     Returns the splats and a report with the keys of ``metrics/S/prune.json``.
     """
-    if score not in SCORES:
-        raise ValueError(f"score must be one of {SCORES}, got {score!r}")
-    if score == "removal" and (score_targets is None or len(score_targets) != len(score_cameras)):
+    if cfg.score not in SCORES:
+        raise ValueError(f"score must be one of {SCORES}, got {cfg.score!r}")
+    if cfg.score == "removal" and (score_targets is None or len(score_targets) != len(score_cameras)):
         raise ValueError("score='removal' needs one target image per score camera")
     splats = Splats.of(splats)
     n0 = splats.n
@@ -271,14 +118,12 @@ def prune_phases(splats: Splats, sh_degree: int, *, score_cameras: Sequence[Came
     current = splats.clone()
     first_phase = 1
     if resume is not None:
-        import copy
-
         current = Splats.of(resume["splats"]).to(splats.device)
         report = copy.deepcopy(resume["report"])
         psnr_before, accepted_psnr = report["val_psnr_before"], resume["accepted_psnr"]
         first_phase = int(resume["next_phase"])
     else:
-        psnr_before = mean_psnr(current, sh_degree, val_cameras, val_targets, backend)
+        psnr_before = mean_psnr(current, sh_degree, val_cameras, val_targets, cfg.backend)
         report: dict = {
             "gaussians_before": n0,
             "size_mb_before": round(current.size_mib, 4),
@@ -288,8 +133,8 @@ def prune_phases(splats: Splats, sh_degree: int, *, score_cameras: Sequence[Came
             "stop_reason": None,
         }
         accepted_psnr = psnr_before
-    floor_db = psnr_before - max_psnr_drop_db
-    bar = tqdm(list(enumerate(keep_fractions, start=1)), desc="prune phases", disable=not progress)
+    floor_db = psnr_before - cfg.max_psnr_drop_db
+    bar = tqdm(list(enumerate(keep_fractions, start=1)), desc="prune phases", disable=not cfg.progress)
     for phase, frac in bar:
         if phase < first_phase:  # finished by the run this one resumes
             continue
@@ -299,18 +144,20 @@ def prune_phases(splats: Splats, sh_degree: int, *, score_cameras: Sequence[Came
         if n_keep >= n_cur:  # the schedule asks for nothing new (e.g. decay 1.0)
             continue
         candidate = current
-        for r in range(1, score_rounds + 1):  # geometric sub-cuts, each re-scored without the ones cut before
-            n_sub = n_keep if r == score_rounds else int(round(n_cur * (n_keep / n_cur) ** (r / score_rounds)))
-            if score == "removal":
-                scores = removal_scores(candidate, sh_degree, score_cameras, score_targets, progress=progress)
+        rounds = cfg.score_rounds
+        for r in range(1, rounds + 1):  # geometric sub-cuts, each re-scored without the ones cut before
+            n_sub = n_keep if r == rounds else int(round(n_cur * (n_keep / n_cur) ** (r / rounds)))
+            if cfg.score == "removal":
+                scores = removal_scores(candidate, sh_degree, score_cameras, score_targets, progress=cfg.progress)
             else:
-                scores = significance(candidate, score_cameras, beta=beta, ref_quantile=ref_quantile,
-                                      backend=backend, progress=progress)
+                scores = significance(candidate, score_cameras, beta=cfg.volume_beta,
+                                      ref_quantile=cfg.volume_ref_quantile, backend=cfg.backend,
+                                      progress=cfg.progress)
             candidate = candidate.select(top_indices(scores, n_sub))
-        steps = int(round(finetune_steps * float(frac) ** -finetune_growth)) if finetune is not None else 0
+        steps = int(round(cfg.finetune_steps * float(frac) ** -cfg.finetune_growth)) if finetune is not None else 0
         if steps > 0:
             candidate = finetune(candidate, sh_degree, steps, f"recover phase {phase}")
-        val = mean_psnr(candidate, sh_degree, val_cameras, val_targets, backend)
+        val = mean_psnr(candidate, sh_degree, val_cameras, val_targets, cfg.backend)
         ok = bool(val >= floor_db)
         record = {"phase": phase, "keep_fraction": round(float(frac), 6), "gaussians": n_keep,
                   "size_mb": round(candidate.size_mib, 4), "val_psnr": val, "finetune_steps": steps,
@@ -322,7 +169,7 @@ def prune_phases(splats: Splats, sh_degree: int, *, score_cameras: Sequence[Came
         if not ok:
             report["stopped_early"] = True
             report["stop_reason"] = (f"phase {phase} (keep {frac:.3f}) gave validation PSNR {val:.2f} dB, more "
-                                     f"than {max_psnr_drop_db:g} dB below the unpruned {psnr_before:.2f} dB; "
+                                     f"than {cfg.max_psnr_drop_db:g} dB below the unpruned {psnr_before:.2f} dB; "
                                      f"kept phase {phase - 1}")
             break
         current, accepted_psnr = candidate, val
@@ -353,8 +200,6 @@ class CachedImages(abc.Sequence):
     resolution need not fit in memory at once). Matches :func:`cameras_at` view for view."""
 
     def __init__(self, views: Sequence, factor: float, image_cache_mb: int = 256):
-        from splatflow.scene.images import ImageCache
-
         self.cache = ImageCache(views, image_cache_mb)
         self.factor = float(factor)
 
@@ -381,16 +226,11 @@ def run_prune(cfg, train_cfg, *, train_ckpt, out_ckpt, undistorted_dir=None, spl
     inputs (trained checkpoint, split, prune/train params, seed) continues after the last phase found there; the
     file is removed once ``out_ckpt`` is written.
     """
-    from splatflow import device as devices
-    from splatflow.model import Checkpoint
-
     run_dev = devices.resolve(cfg.backend)  # the validation renders and the recovery fine-tunes run here
     devices.reset_peak_memory(run_dev)
     ckpt = Checkpoint.load(train_ckpt)  # validated float32 CPU splats
     splats, sh_degree = ckpt.splats, ckpt.sh_degree
     if scene is None:
-        from splatflow.scene.dataset import load_scene
-
         scene = load_scene(undistorted_dir, split_json)
     if not scene.train_views:
         raise UserError(f"{split_json}: no training views; check the split stage's output and params")
@@ -400,8 +240,6 @@ def run_prune(cfg, train_cfg, *, train_ckpt, out_ckpt, undistorted_dir=None, spl
 
     during = (ckpt.prune_during or {}).get("report") or {}
     if during.get("cuts"):  # pruned inside training (train.prune_during): verify and copy, never cut again
-        from splatflow.train.prune_during import verify
-
         result = PruneResult(splats.clone(),
                              verify(during, splats, mean_psnr(splats, sh_degree, val_cams, val_targets, cfg.backend)))
     elif not schedule:  # no-op: copy the trained splats, still measure and write everything
@@ -412,8 +250,6 @@ def run_prune(cfg, train_cfg, *, train_ckpt, out_ckpt, undistorted_dir=None, spl
             "val_psnr_before": psnr, "phases": [], "stopped_early": False, "stop_reason": f"no-op: {why}",
             "gaussians_after": splats.n, "size_mb_after": round(splats.size_mib, 4), "val_psnr_after": psnr})
     else:
-        from splatflow.train import finetune as _finetune
-
         def recover(s: Splats, deg: int, steps: int, desc: str) -> Splats:
             return _finetune(s, scene, steps, train_cfg, sh_degree=deg, seed=seed, progress=cfg.progress,
                              backend=cfg.backend, means_lr_factor=cfg.finetune_means_lr)
@@ -426,12 +262,9 @@ def run_prune(cfg, train_cfg, *, train_ckpt, out_ckpt, undistorted_dir=None, spl
             key = phases_key(train_ckpt, split_json, cfg, train_cfg, seed)
             resume = load_phases(phases_ckpt, key)
         result = prune_phases(
-            splats, sh_degree, score_cameras=score_cams, val_cameras=val_cams, val_targets=val_targets,
-            keep_fractions=schedule, finetune=recover, finetune_steps=cfg.finetune_steps,
-            max_psnr_drop_db=cfg.max_psnr_drop_db, finetune_growth=cfg.finetune_growth, score=cfg.score,
-            score_rounds=cfg.score_rounds, score_targets=score_targets, beta=cfg.volume_beta,
-            ref_quantile=cfg.volume_ref_quantile, backend=cfg.backend, progress=cfg.progress,
-            phase_callback=phase_callback, resume=resume,
+            splats, sh_degree, cfg, score_cameras=score_cams, val_cameras=val_cams, val_targets=val_targets,
+            keep_fractions=schedule, finetune=recover, score_targets=score_targets, phase_callback=phase_callback,
+            resume=resume,
             on_accepted=None if phases_ckpt is None else lambda state: save_phases(phases_ckpt, key, state))
         result.report["resumed_after_phase"] = None if resume is None else int(resume["next_phase"]) - 1
 
@@ -446,8 +279,6 @@ def run_prune(cfg, train_cfg, *, train_ckpt, out_ckpt, undistorted_dir=None, spl
     if r.get("resumed_after_phase") is not None:
         metrics["resumed_after_phase"] = r["resumed_after_phase"]
     if phases_ckpt is not None:
-        from pathlib import Path
-
         Path(phases_ckpt).unlink(missing_ok=True)  # the result is written: nothing left to resume
     return metrics
 
@@ -457,12 +288,6 @@ def run_prune(cfg, train_cfg, *, train_ckpt, out_ckpt, undistorted_dir=None, spl
 
 def phases_key(train_ckpt, split_json, cfg, train_cfg, seed: int) -> str:
     """Digest of everything a phase's result depends on: a saved phase is only reused for the same inputs."""
-    import hashlib
-    import json
-    from pathlib import Path
-
-    from splatflow.config import section_dict
-
     h = hashlib.sha256()
     for f in (train_ckpt, split_json):
         if f is not None and Path(f).exists():
@@ -478,9 +303,6 @@ def phases_key(train_ckpt, split_json, cfg, train_cfg, seed: int) -> str:
 
 def save_phases(path, key: str, state: dict) -> None:
     """Write the state after a finished phase; a SIGTERM meanwhile waits for the write, then stops the run."""
-    from splatflow import stop
-    from splatflow.model import save_checkpoint
-
     with stop.cooperative():
         save_checkpoint(path, {"key": key, "splats": Splats.of(state["splats"]).stored().as_dict(),
                                "report": state["report"], "accepted_psnr": state["accepted_psnr"],
@@ -490,10 +312,6 @@ def save_phases(path, key: str, state: dict) -> None:
 
 def load_phases(path, key: str) -> dict | None:
     """The saved state after the last finished phase, or None (absent, unreadable, or other inputs)."""
-    import logging
-    from pathlib import Path
-
-    log = logging.getLogger("splatflow.prune")
     if not Path(path).exists():
         return None
     try:

@@ -30,8 +30,18 @@ from typing import Any
 
 import numpy as np
 
+from splatflow.config import ReportConfig
 from splatflow.errors import UserError
+from splatflow.formats import common
+from splatflow.formats.common import sigmoid, splats_to_torch
+from splatflow.formats.ply import read_ply
+from splatflow.formats.splat import read_splat
+from splatflow.formats.spz import read_spz, write_spz
 from splatflow.paths import ScenePaths
+from splatflow.scene.fitness import fitness_warning
+from splatflow.scene.cameras import camera_centers
+from splatflow.scene.dataset import load_scene
+from splatflow.webbundle import load_bundle
 
 #: Exported formats the report and the viewer read, in order of preference (the PLY is lossless).
 SPLAT_SUFFIXES = (".ply", ".spz", ".splat")
@@ -43,24 +53,16 @@ BACKGROUND = "#101418"  # the 3D viewer's clear colour (tests look for it in scr
 
 def read_splat_file(path: str | Path) -> tuple[dict[str, np.ndarray], int]:
     """``(numpy splats, sh_degree)`` of an exported ``.ply`` / ``.spz`` / ``.splat`` (our world frame)."""
-    from splatflow.formats import common
-
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: no such splat file")
     suffix = path.suffix.lower()
     try:
         if suffix == ".ply":
-            from splatflow.formats.ply import read_ply
-
             splats, degree = read_ply(path)
         elif suffix == ".spz":
-            from splatflow.formats.spz import read_spz
-
             splats, degree = read_spz(path, to_coordinates="RDF")
         elif suffix == ".splat":
-            from splatflow.formats.splat import read_splat
-
             splats, degree = read_splat(path)
         else:
             raise UserError(f"{path}: not a splat file this viewer reads (use .ply, .spz or .splat)")
@@ -95,8 +97,6 @@ def exported_file(paths: ScenePaths) -> Path:
 
 def importance(splats: dict[str, np.ndarray]) -> np.ndarray:
     """opacity x volume: what a Gaussian contributes to an image, for choosing which ones a preview keeps."""
-    from splatflow.formats.common import sigmoid
-
     return np.exp(splats["scales"].astype(np.float64).sum(1)) * sigmoid(splats["opacities"].astype(np.float64))
 
 
@@ -111,9 +111,6 @@ def preview_subset(splats: dict[str, np.ndarray], max_gaussians: int) -> dict[st
 
 def spz_bytes(splats: dict[str, np.ndarray], sh_degree: int) -> bytes:
     """SPZ v3 bytes in our own (COLMAP) frame: Spark reads SPZ coordinates unchanged, the page sets the frame."""
-    from splatflow.formats.common import splats_to_torch
-    from splatflow.formats.spz import write_spz
-
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "preview.spz"
         write_spz(out, splats_to_torch(splats), sh_degree, version=3, from_coordinates="none")
@@ -145,14 +142,13 @@ class CameraInfo:
 
     @property
     def center(self) -> np.ndarray:
-        return -self.world_to_cam[:3, :3].T @ self.world_to_cam[:3, 3]
+        return camera_centers(self.world_to_cam)
 
 
 def scene_cameras(paths: ScenePaths) -> list[CameraInfo]:
     """Training and test cameras of the scene (empty when SfM or the split has not run)."""
     if not paths.split_json.exists() or not (paths.undistorted_dir / "sparse").exists():
         return []
-    from splatflow.scene.dataset import load_scene
 
     scene = load_scene(paths.undistorted_dir, paths.split_json)
     out = []
@@ -361,15 +357,31 @@ text-align:left;vertical-align:top}th{font-weight:600;white-space:nowrap}td.note
 .cams button.test{border-color:#d9822b;color:#a85a12}
 figure{margin:0 0 16px}figure img{max-width:100%;display:block;border:1px solid #e1e5ea}
 figcaption{font-size:12px;color:#5b6670}
+.errscale{font-size:12px;color:#5b6670;margin:0 0 22px}.errscale .ramp{display:inline-block;position:relative;
+width:240px;height:12px;margin:0 8px 0 6px;vertical-align:middle}.errscale .ramp i{position:absolute;inset:0;
+border:1px solid #c9d0d7;background:linear-gradient(90deg,#000 0%,#f00 33.33%,#ff0 66.67%,#fff 100%)}
+.errscale .ramp span{position:absolute;top:13px;transform:translateX(-50%);font-size:11px}
 code{background:#eef1f4;padding:0 3px;border-radius:2px}
 """.replace("BG", BACKGROUND)
 
 
-def build_report(paths: ScenePaths, *, preview_max_gaussians: int = 200000, preview_sh_degree: int = 3,
-                 max_test_views: int = 60, max_psnr_drop_db: float | None = None, title: str | None = None) -> dict:
-    """Write ``reports/<scene>/index.html`` from the scene's stage outputs; return the report's metrics."""
-    from splatflow.webbundle import load_bundle
+def error_scale_html(error_gain: float) -> str:
+    """The colour scale of the error maps (:func:`splatflow.evaluate.error_heatmap`: black at 0, red, yellow, white
+    at 1 / ``error_gain`` and above, of the mean absolute RGB error in [0, 1]), so a colour reads as a number."""
+    top = 1.0 / error_gain
+    ticks = "".join(f"<span style=\"left:{100 * i / 3:.2f}%\">{top * i / 3:.3g}</span>" for i in range(4))
+    return (f'<div class=errscale id=error-scale data-max="{top:.6g}"><b>error map</b> '
+            f'<span class=ramp><i></i>{ticks}</span> mean |render &minus; ground truth| over R, G, B (0-1); '
+            f"{top:.3g} and above is white (evaluate.error_gain = {error_gain:g})</div>")
 
+
+def build_report(paths: ScenePaths, cfg: ReportConfig | None = None, *, max_psnr_drop_db: float | None = None,
+                 title: str | None = None, error_gain: float = 4.0) -> dict:
+    """Write ``reports/<scene>/index.html`` from the scene's stage outputs; return the report's metrics.
+
+    ``cfg`` (params.yaml's ``report`` section; its defaults when None) sizes the embedded preview and the list of
+    test views."""
+    cfg = cfg if cfg is not None else ReportConfig()
     bundle = load_bundle()  # first: a missing viewer script is the one error a user must fix before anything else
     stages = ("ingest", "sfm", "split", "train", "prune", "evaluate", "export")
     metrics = {s: _read_json(paths.metrics_json(s)) for s in stages}
@@ -379,9 +391,9 @@ def build_report(paths: ScenePaths, *, preview_max_gaussians: int = 200000, prev
     model_file = exported_file(paths)
     splats, degree = read_splat_file(model_file)
     n_full = len(splats["means"])
-    preview = preview_subset(splats, preview_max_gaussians)
+    preview = preview_subset(splats, cfg.preview_max_gaussians)
     n_prev = len(preview["means"])
-    prev_degree = min(degree, preview_sh_degree)
+    prev_degree = min(degree, cfg.preview_sh_degree)
     spz = spz_bytes(preview, prev_degree)
     cameras = scene_cameras(paths)
     target = np.median(preview["means"], axis=0) if n_prev else np.zeros(3)
@@ -436,6 +448,14 @@ def build_report(paths: ScenePaths, *, preview_max_gaussians: int = 200000, prev
         _row("3D points", _metric(m, "sfm.points3d", 0), ""),
         _row("mean reprojection error", _metric(m, "sfm.mean_reprojection_error_px", 3, "px"), ""),
         _row("mean track length", _metric(m, "sfm.mean_track_length", 2), ""),
+        *([_row("per-image reprojection error", _metric(m, "sfm.image_reprojection_error_px_median", 3, "px")
+                + " median, " + _metric(m, "sfm.image_reprojection_error_px_p90", 3, "px") + " 90th percentile",
+                "each image's mean over the points it sees"),
+           _row("points seen by two views only", _metric(m, "sfm.points_two_view_fraction", 3),
+                "weakly triangulated")]
+          if sfm.get("image_reprojection_error_px_median") is not None else []),
+        *([_row("fit to train on", "<b>poor</b>", html.escape(fitness_warning(sfm) or ""))]
+          if sfm.get("fitness_poor") else []),
         *([_row("camera centre error", _metric(m, "sfm.camera_center_error_rel", 5),
                 "relative to the scene size, after similarity alignment to the ground truth"),
            _row("camera rotation error", _metric(m, "sfm.camera_rotation_error_deg", 3, "deg"), "")]
@@ -453,7 +473,7 @@ def build_report(paths: ScenePaths, *, preview_max_gaussians: int = 200000, prev
         for _, r in pd.read_csv(paths.per_view_csv).iterrows():
             per_view[Path(str(r["view"])).stem] = r
     renders = sorted(paths.renders_dir.glob("*.png")) if paths.renders_dir.exists() else []
-    shown = renders[:max_test_views]
+    shown = renders[:cfg.max_test_views]
     figures = []
     for f in shown:
         r = per_view.get(f.stem)
@@ -508,6 +528,7 @@ controls: <code>splatflow view {html.escape(paths.scene)}</code>.</p>
 <p class=sub>{html.escape(str(pr.get("stop_reason") or "")) or f"{len(pr.get('phases') or [])} phases, all kept."}</p>
 
 <h2>Test views</h2>
+{error_scale_html(error_gain) if figures else ''}
 {''.join(figures) or '<p class=sub>no renders (evaluate.save_renders is off)</p>'}
 {more}
 </main>

@@ -6,8 +6,9 @@ when they start):
 * ``GOMP_SPINCOUNT=20000``: with the passive policy alone, libgomp puts a thread to sleep the moment its parallel
   region ends, and waking it for the next region costs about 50 us. A training step runs dozens of short
   regions. With a short spin (20,000 polls, tens of microseconds) before sleeping, the 36-view benchmark run
-  trained 9-10 % faster on 2 cores with the identical model, for 4-5 % more CPU time (bench/RESULTS.md,
-  session 13). The spin is short enough that a runtime which is not working sleeps, as the passive policy wants.
+  trained 9-10 % faster on 2 cores with the identical model, for 4-5 % more CPU time (docs/experiments.md,
+  Training, 2026-11-26 14:16). The spin is short enough that a runtime which is not working sleeps, as the
+  passive policy wants.
 * ``NUMBA_CACHE_DIR``: the compiled CPU kernels are cached in a folder named after a hash of the kernel sources
   (``splatflow/render/__pycache__/numba-<hash>``). numba checks a cached kernel only against its own file, and
   a checkout updated over an old cache was measured to fail compiling a changed kernel (an internal numba
@@ -19,7 +20,10 @@ when they start):
 
 import hashlib as _hashlib
 import os as _os
+import resource as _resource
 from pathlib import Path as _Path
+
+from splatflow.paths import experiment_origin
 
 _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 _os.environ.setdefault("GOMP_SPINCOUNT", "20000")
@@ -34,7 +38,6 @@ def _kernel_cache_dir(render: _Path | None = None) -> str:
     for src in sorted(render.glob("*.py")):
         h.update(src.name.encode())
         h.update(src.read_bytes())
-    from splatflow.paths import experiment_origin  # pathlib only: safe before numba and torch
 
     origin = experiment_origin(render)
     home = origin / "splatflow" / "render" if origin is not None else render
@@ -49,3 +52,8 @@ if "NUMBA_CACHE_DIR" not in _os.environ:
     except OSError:  # an unreadable install: numba's own default cache location applies
         pass
 
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process so far, in MiB (Linux reports ``ru_maxrss`` in KiB): the host memory
+    every stage's metrics report (``peak_rss_mb``)."""
+    return _resource.getrusage(_resource.RUSAGE_SELF).ru_maxrss / 1024.0

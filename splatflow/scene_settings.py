@@ -30,7 +30,7 @@ STAGE_PARAMS: dict[str, tuple[str, ...]] = {
     "prune": ("train", "prune"),
     "evaluate": ("evaluate",),
     "export": ("export",),
-    "report": ("prune.max_psnr_drop_db", "report"),
+    "report": ("prune.max_psnr_drop_db", "evaluate.error_gain", "report"),
 }
 
 
@@ -61,3 +61,22 @@ def write_settings(entry: SceneSource, out_dir: str | Path) -> dict[str, Path]:
         path.write_text(json.dumps(stage_settings(entry, stage), indent=1, sort_keys=True, default=str) + "\n")
         written[stage] = path
     return written
+
+
+def missing_source(root: str | Path, scene: str, source: str) -> str | None:
+    """One line naming a scene's ``source`` that does not exist and the fix, or None when it is there.
+
+    Asked before DVC reaches the ingest stage (``splatflow run``, the reconstruct flow, and the ``settings`` stage,
+    which runs first in every ``dvc repro``): DVC, finding ingest's source dependency missing, removes that stage's
+    outputs -- the git-tracked ``metrics/<scene>/ingest.json`` included -- before it fails on the dependency."""
+    root = Path(root)
+    path = Path(source).expanduser()
+    path = path if path.is_absolute() else root / path
+    if path.exists():
+        return None
+    if scene == "demo" and Path(source) == Path("data/raw/demo/images"):
+        fix = "write it with `splatflow demo-scene` (or run `make demo`)"
+    else:
+        fix = (f"connect the drive it is on, or fix the path in params.yaml (`splatflow add-scene {scene} PATH "
+               f"--force` rewrites the entry)")
+    return f"base.scenes.{scene}.source = {source}: {path} does not exist; {fix}"

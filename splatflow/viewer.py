@@ -25,9 +25,14 @@ from pathlib import Path
 
 import numpy as np
 
+from splatflow.config import load_params
 from splatflow.errors import UserError
+from splatflow.formats.common import as_numpy_splats
+from splatflow.model import load_splats
 from splatflow.paths import ScenePaths
+from splatflow.render.projection import eval_sh
 from splatflow.report import CameraInfo, read_splat_file, scene_cameras
+from splatflow.sh import SH_C0
 
 STAGES = ("export", "prune", "train")  # newest first: what `view SCENE` shows without --stage
 TRAIN_COLOR = (150, 150, 150)
@@ -85,9 +90,6 @@ def load_target(target: str, root: Path, stage: str | None = None) -> LoadedMode
                             f"or `dvc repro train@{target}`); it writes {paths.train_ckpt}")
         stage, source = found[0]
     if source.suffix == ".pt":
-        from splatflow.formats.common import as_numpy_splats
-        from splatflow.model import load_splats
-
         splats_t, degree = load_splats(source)
         splats = as_numpy_splats(splats_t, degree)
     else:
@@ -122,8 +124,6 @@ def _checked_splats(splats: dict[str, np.ndarray], source: Path, scene: str | No
 
 def _known_scenes(root: Path) -> set[str] | None:
     try:
-        from splatflow.config import load_params
-
         return set(load_params(root / "params.yaml").base.scenes)
     except Exception:  # noqa: BLE001 - no or broken params.yaml: judge by the folders alone
         return None
@@ -148,12 +148,10 @@ def sh_colors(splats: dict[str, np.ndarray], degree: int, eye: np.ndarray | None
     """RGB in [0, 1] [N, 3] seen from ``eye``: SH up to ``degree`` (degree 0 needs no eye), as the rasterizer does."""
     import torch
 
-    from splatflow.render.projection import eval_sh
-
     coeffs = np.concatenate([splats["sh0"], splats["shN"]], axis=1)  # [N, K, 3]
     degree = min(degree, int(round(math.sqrt(coeffs.shape[1]))) - 1)
     if degree == 0 or eye is None:
-        rgb = 0.5 + coeffs[:, 0, :] * 0.28209479177387814
+        rgb = 0.5 + coeffs[:, 0, :] * SH_C0
     else:
         dirs = torch.from_numpy(splats["means"].astype(np.float32) - np.asarray(eye, np.float32)[None])
         rgb = (eval_sh(degree, dirs, torch.from_numpy(coeffs.astype(np.float32))) + 0.5).numpy()
@@ -214,9 +212,9 @@ class SplatViewer:
         self._add_gui()
         self._start = self._pick_start(start_camera)
         if self._start is not None:
-            # --camera NAME starts exactly there; by default the view starts a few camera spacings behind the first
-            # test camera, so the scene and the camera frustums around it are in sight.
-            self._set_initial_camera(self._start, back=0.0 if start_camera else 3.0 * self._spacing)
+            # the view starts exactly where a photo was taken, so the splat is in sight as the camera saw it (from
+            # behind a camera, its own frustum and its neighbours' stood between the eye and the splat)
+            self._set_initial_camera(self._start)
         self._redraw(None)
         self.server.on_client_connect(self._on_connect)
         self.server.on_client_disconnect(lambda client: self._eyes.pop(client.client_id, None))
@@ -224,8 +222,8 @@ class SplatViewer:
     # -- scene ------------------------------------------------------------------------------------------------
     def _pick_start(self, name: str | None) -> CameraInfo | None:
         cams = self.model.cameras
-        if name is None:
-            return cams[0] if cams else None  # the first test camera (test views come first)
+        if name is None:  # the first training camera: a view the splat was fitted to (test views come first)
+            return next((c for c in cams if c.split == "train"), cams[0] if cams else None)
         for c in cams:
             if name in (c.name, Path(c.name).stem):
                 return c

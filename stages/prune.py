@@ -11,6 +11,7 @@ from __future__ import annotations
 from splatflow.config import Params
 from splatflow.paths import ScenePaths
 from splatflow.stage import stage_main
+from splatflow.tracking import step_logger
 
 
 def run(params: Params, paths: ScenePaths) -> dict:
@@ -21,14 +22,13 @@ def run(params: Params, paths: ScenePaths) -> dict:
     scene, resolution = load_working_scene(params, paths)  # the size and masks training used
     print(f"prune [{paths.scene}]: {describe(resolution)}")
 
-    logger = _step_logger()
+    logger = step_logger("prune")
 
     def log_phase(record: dict, splats: dict) -> None:  # one MLflow step per phase: the size/quality curve
         print(f"prune [{paths.scene}]: phase {record['phase']}: {record['gaussians']} Gaussians, validation PSNR "
               f"{record['val_psnr']:.2f} dB ({'accepted' if record['accepted'] else 'rejected'})", flush=True)
-        if logger is not None:
-            logger.log(record["phase"], {"gaussians": record["gaussians"], "val_psnr": record["val_psnr"],
-                                         "keep_fraction": record["keep_fraction"]})
+        logger.log(record["phase"], {"gaussians": record["gaussians"], "val_psnr": record["val_psnr"],
+                                     "keep_fraction": record["keep_fraction"]})
 
     try:
         metrics = run_prune(params.prune, params.train, train_ckpt=paths.train_ckpt, out_ckpt=paths.prune_ckpt,
@@ -39,16 +39,7 @@ def run(params: Params, paths: ScenePaths) -> dict:
                   f"interrupted run in {paths.prune_phases}")
         return {**metrics, "resolution": resolution}
     finally:
-        if logger is not None:
-            logger.close()
-
-
-def _step_logger():
-    try:
-        from splatflow.tracking import step_logger
-    except ImportError:  # tracking is optional for the stage's own work
-        return None
-    return step_logger("prune")
+        logger.close()
 
 
 def main(argv=None) -> None:

@@ -13,10 +13,8 @@ from splatflow.stage import stage_main
 
 
 def run(params: Params, paths: ScenePaths) -> dict:
-    cfg = params.report
-    metrics = build_report(paths, preview_max_gaussians=cfg.preview_max_gaussians,
-                           preview_sh_degree=cfg.preview_sh_degree, max_test_views=cfg.max_test_views,
-                           max_psnr_drop_db=params.prune.max_psnr_drop_db)
+    metrics = build_report(paths, params.report, max_psnr_drop_db=params.prune.max_psnr_drop_db,
+                           error_gain=params.evaluate.error_gain)
     print(f"report [{paths.scene}]: {metrics['path']} ({metrics['bytes'] / 2**20:.1f} MB; 3D preview of "
           f"{metrics['preview_gaussians']} of {metrics['model_gaussians']} Gaussians)")
     return metrics

@@ -16,9 +16,6 @@ from splatflow.scene.ingest import read_image_folders
 from splatflow.scene.sfm import run_sfm
 from splatflow.stage import stage_main
 
-VIDEO_SUFFIXES = {".mp4", ".mov", ".avi", ".mkv", ".webm", ".m4v", ".mpg", ".mpeg"}
-
-
 def _project_path(paths: ScenePaths, value: str) -> Path:
     """A path from params.yaml: relative paths are relative to the project root (where params.yaml is)."""
     p = Path(value).expanduser()
@@ -45,7 +42,8 @@ def run(params: Params, paths: ScenePaths) -> dict:
     scene = params.scene(paths.scene)
     gt = _project_path(paths, scene.ground_truth) if scene.ground_truth else None
     # Frames of a video are an ordered sequence: sequential matching fits them (when sfm.matcher is "auto").
-    from_video = Path(scene.source).suffix.lower() in VIDEO_SUFFIXES
+    # (a file source is a video: ingest takes no other file, splatflow.scene.video.check_video_source)
+    from_video = _project_path(paths, scene.source).is_file()
     if scene.colmap is not None:  # an existing COLMAP dataset: import its model, no SfM
         result = _import(params, paths, gt)
     else:

@@ -7,29 +7,21 @@ Reads ``data/S/undistorted/`` and ``data/S/split.json``; writes ``models/S/train
 
 from __future__ import annotations
 
-import resource
-
 from splatflow import stop
 from splatflow.config import Params
 from splatflow.errors import UserError
 from splatflow.paths import ScenePaths
+from splatflow.runtime_env import peak_rss_mb
 from splatflow.stage import stage_main
 from splatflow.stop import StageStopped
-
-
-def _step_logger():
-    try:
-        from splatflow.tracking import step_logger
-    except ImportError:  # tracking is optional for the stage's own work
-        return None
-    return step_logger("train")
+from splatflow.tracking import step_logger
 
 
 def run(params: Params, paths: ScenePaths) -> dict:
     """Train scene ``paths.scene``; write the checkpoint and CSV; return the metrics dict."""
     from splatflow.device import resolve
     from splatflow.scene.resolution import describe, load_working_scene
-    from splatflow.train import train
+    from splatflow.train import Trainer
 
     resolve(params.train.backend)  # a missing GPU or a broken gsplat build is reported before anything else
     if not paths.undistorted_dir.exists():
@@ -41,13 +33,15 @@ def run(params: Params, paths: ScenePaths) -> dict:
     cfg = params.train
     from splatflow import live_view
 
-    hooks = live_view.from_env(paths)  # `splatflow run --view`: the splat being trained in the browser
+    watchers = live_view.from_env(paths)  # `splatflow run --view`: the splat being trained in the browser
     try:
-        res = train(scene, cfg, ckpt_path=paths.train_ckpt, csv_path=paths.train_csv, seed=params.base.seed,
-                    step_logger=_step_logger(), hooks=hooks)
+        trainer = Trainer(scene, cfg, ckpt_path=paths.train_ckpt, csv_path=paths.train_csv, seed=params.base.seed,
+                          step_logger=step_logger("train"), watchers=watchers)
+        print(f"train [{paths.scene}]: {trainer.plan.describe()}")
+        res = trainer.run()
     finally:
-        for hook in hooks:
-            hook.close()
+        for w in watchers:
+            w.close()
     if stop.is_stop_label(res.stopped):
         # Not a finished stage: exit 143 so DVC records nothing and MLflow marks the run KILLED; the checkpoint
         # lets the next run resume.
@@ -55,7 +49,6 @@ def run(params: Params, paths: ScenePaths) -> dict:
     if res.stopped.startswith("nonfinite"):
         raise UserError(f"training diverged: {res.stopped}. The last good checkpoint is {paths.train_ckpt}; "
                         "lower train.lr.* (e.g. lr.means or lr.opacities) and rerun")
-    peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux reports KiB
     refine = [e for e in res.events if "gaussians" in e]
     return {
         "steps": res.steps,
@@ -65,12 +58,13 @@ def run(params: Params, paths: ScenePaths) -> dict:
         # the CPU kernels compiled before the first step (a first run after an install or a kernel change)
         "compile_seconds": None if res.compile_seconds is None else round(res.compile_seconds, 1),
         "it_per_s": round(res.it_per_s, 3),
-        "peak_rss_mb": round(peak_rss_mb, 1),
+        "peak_rss_mb": round(peak_rss_mb(), 1),
         "val_psnr": None if res.val_psnr is None else round(res.val_psnr, 4),
         "refine_events": len(refine),
         "resumed_from": res.resumed_from,
         "device": res.device,  # backend, device name, versions, peak GPU memory (null on the CPU)
         "resolution": resolution,
+        "plan": res.plan,  # steps and Gaussian budget as resolved for this scene and device (train.max_steps: auto)
         "window_pixels": res.window_pixels,  # train.patch_max_pixels as resolved for the backend (0 = whole images)
         "prune_during": res.prune_during,  # train.prune_during's cuts (null when off)
     }

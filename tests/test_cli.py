@@ -47,15 +47,37 @@ def test_add_scene_folder_keeps_comments_and_validates(project):
 
 
 def test_add_scene_video_and_bad_inputs(project):
-    video = project / "walk.mp4"
-    video.write_bytes(b"\x00")
-    assert CliRunner().invoke(app, ["add-scene", "walk", str(video)]).exit_code == 0
-    assert load_params(project / "params.yaml").scene("walk").source == "walk.mp4"
+    """A file is a video when OpenCV opens it and decodes a frame, as ingest will: a camera's .mts (and a video
+    under a suffix no list has) is taken, and ingest reads the same file; a .mp4 that does not decode is not."""
+    from splatflow.config import IngestConfig
+    from splatflow.scene.ingest import ingest
+    from tests.test_ingest import _write_video
 
+    for name in ("clip.mts", "clip.vid"):
+        video = project / name
+        written = video if name.endswith(".mts") else project / "clip.avi"  # OpenCV writes no .vid: rename one
+        _write_video(written, n_frames=24, sharp_every=4, sharp_offset=1)
+        written.rename(video)
+        scene = name.replace(".", "_")
+        r = CliRunner().invoke(app, ["add-scene", scene, str(video)])
+        assert r.exit_code == 0, r.output
+        assert load_params(project / "params.yaml").scene(scene).source == name
+        result = ingest(video, project / "data" / scene / "images", IngestConfig(video_frames=6), progress=False)
+        assert result.source_kind == "video" and len(result.kept) >= 3
+
+    broken = project / "walk.mp4"
+    broken.write_bytes(b"\x00" * 64)
+    r = CliRunner().invoke(app, ["add-scene", "walk", str(broken)])
+    assert r.exit_code == 2 and "walk.mp4: OpenCV cannot open this video" in r.output and "ffmpeg" in r.output
     notes = project / "notes.txt"
     notes.write_text("hello")
     r = CliRunner().invoke(app, ["add-scene", "notes", str(notes)])
-    assert r.exit_code == 2 and "not a video" in r.output
+    assert r.exit_code == 2 and "not a video OpenCV can open" in " ".join(r.output.split()), r.output
+    assert ".mts" in r.output  # the formats known by suffix are listed
+    photo = project / "one.jpg"
+    photo.write_bytes(b"\xff\xd8\xff")
+    r = CliRunner().invoke(app, ["add-scene", "one", str(photo)])
+    assert r.exit_code == 2 and "single image" in r.output
     r = CliRunner().invoke(app, ["add-scene", "ghost", str(project / "missing")])
     assert r.exit_code == 2 and "does not exist" in r.output
     r = CliRunner().invoke(app, ["add-scene", "bad name", str(project)])
@@ -146,9 +168,9 @@ def test_batch_without_a_served_deployment_says_what_to_start(project):
         dead = s.getsockname()[1]
     exe = str(Path(sys.executable).parent / "splatflow")
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    # no server at all: `ui` and `serve` to start (the port looked for is PREFECT_PORT: point it at the dead one)
-    code = ("import sys; from splatflow import ops_cli; ops_cli.PREFECT_PORT = int(sys.argv[1]); "
-            "from splatflow.cli import main; sys.argv = ['splatflow', 'batch', 'demo', 'other']; main()")
+    # no server at all: `ui` and `serve` to start (the port looked for is servers.PREFECT_PORT: point it at the dead one)
+    code = ("import sys; from splatflow.orchestrate import servers; servers.PREFECT_PORT = int(sys.argv[1]); "
+            "from splatflow.cli import main; sys.argv = ['splatflow', 'batch', 'demo']; main()")
     r = subprocess.run([sys.executable, "-c", code, str(dead)], cwd=project, env=env, capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 2, r.stderr[-3000:]
@@ -183,3 +205,24 @@ def test_add_scene_warns_at_once_about_a_folder_too_small_for_sfm(project):
         (two / name).write_bytes(b"x")
     r = CliRunner().invoke(app, ["add-scene", "four", str(two)])
     assert r.exit_code == 0 and "warning" not in r.output, r.output
+
+
+def test_metrics_table_fits_120_columns_and_offers_the_lpips_weights(project):
+    """`splatflow metrics`: the headline numbers of each scene in one table a terminal shows whole (`dvc metrics
+    show` printed 134 columns in lines of 4,000+ characters); --all lists every number, one per line."""
+    shutil.copytree(REPO / "metrics" / "demo", project / "metrics" / "demo")
+    r = CliRunner().invoke(app, ["metrics"])
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    assert max(len(line) for line in lines) <= 120
+    assert lines[0].split()[:4] == ["scene", "PSNR", "dB", "SSIM"]
+    row = lines[1].split()
+    import json
+
+    ev = json.loads((REPO / "metrics" / "demo" / "evaluate.json").read_text())
+    assert row[0] == "demo" and row[1] == f"{ev['psnr']:.2f}" and row[4] == f"{ev['gaussians']:,}"
+    if ev["lpips_alex"] is None:
+        assert row[3] == "n/a" and "splatflow weights fetch" in r.output
+    full = CliRunner().invoke(app, ["metrics", "demo", "--all"])
+    assert full.exit_code == 0 and max(len(line) for line in full.output.splitlines()) <= 120
+    assert "demo / evaluate  (metrics/demo/evaluate.json)" in full.output and "test_views" in full.output

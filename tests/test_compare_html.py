@@ -53,7 +53,9 @@ def test_compare_page_shows_diffs_curves_and_both_renders(tmp_path, monkeypatch)
     out = write_compare_html(a, b, tmp_path / "cmp.html", uri)
     text = out.read_text()
     assert "train.lr.means" in text and "train.max_steps" not in text  # only params that differ
-    assert "<th>evaluate.psnr</th><td>20</td><td>21.5</td><td class=up>1.5</td>" in text
+    assert "<th>PSNR (dB)</th><td>20</td><td>21.5</td><td class=up>1.5</td>" in text
+    assert text.index('id="headline"') < text.index('id="params"') < text.index('id="metrics"')  # headline first
+    assert "has no training curve" not in text
     p = _Imgs()
     p.feed(text)
     alts = [i["alt"] for i in p.imgs]
@@ -61,3 +63,24 @@ def test_compare_page_shows_diffs_curves_and_both_renders(tmp_path, monkeypatch)
     view = np.asarray(Image.open(io.BytesIO(base64.b64decode(p.imgs[1]["src"].split(",", 1)[1]))).convert("RGB"))
     assert view.shape == (20, 90, 3)  # A's render | B's render | ground truth
     assert (view[:, :30] == 50).all() and (view[:, 30:60] == 150).all() and (view[:, 60:] == 200).all()
+
+
+def test_a_run_without_a_curve_says_why(tmp_path, monkeypatch):
+    """A batch that found a scene up to date records a run that trained nothing: the page says so, and where the
+    curve is, instead of showing one curve without a word."""
+    from splatflow import tracking
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    cl = tracking.client(uri)
+    exp = tracking.experiment_id(cl, uri=uri)
+    a = _run(cl, exp, "a", 1.6e-4, 20.0, 50, tmp_path)
+    b = cl.create_run(exp, run_name="b", tags={"splatflow.scene": "s", "splatflow.skipped": "up to date",
+                                              "splatflow.same_as": a}).info.run_id
+    cl.log_param(b, "train.lr.means", "1.6e-4")  # the same value, written another way: not a difference
+    cl.log_param(b, "train.max_steps", "100")
+    cl.log_metric(b, "evaluate.psnr", 20.0)
+    text = write_compare_html(a, b, tmp_path / "cmp.html", uri).read_text()
+    assert f"B has no training curve: trained nothing: its stages were up to date (its results are those of run " \
+           f"{a[:8]}, which has the curve)." in text
+    assert "every param is equal" in text

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from splatflow.config import EvaluateConfig, TrainConfig
+from splatflow.config import EvaluateConfig, PruneConfig, TrainConfig
 from splatflow.lpips import LpipsSet
 from splatflow.model import init_splats, load_checkpoint
 from tests._tiny import write_tiny_scene
@@ -50,7 +50,8 @@ def _cfg(strategy: str, steps: int = 40, backend: str = "cpu") -> TrainConfig:
     return replace(cfg, patch_max_pixels=1500,
                    densify=replace(cfg.densify, strategy=strategy, refine_every=5, refine_start_fraction=0.1,
                                    refine_stop_fraction=0.9, reset_every=20, max_gaussians=4000),
-                   early_stop=replace(cfg.early_stop, eval_every=10, val_views=2, patience_steps=10_000))
+                   early_stop=replace(cfg.early_stop, eval_every=10, val_views=2, patience_steps=10_000),
+                   prune_during=replace(cfg.prune_during, enabled=False))  # cut on the device: test_prune_during
 
 
 def test_strict_default_device_catches_a_forgotten_device(strict_default_device):
@@ -75,24 +76,25 @@ def test_training_allocates_only_on_the_run_device(scene, tmp_path, strict_defau
 
 
 def test_prune_and_evaluate_allocate_only_on_the_run_device(scene, tmp_path, strict_default_device):
-    from splatflow import prune
+    from splatflow import prune, scoring
     from splatflow.evaluate import evaluate
     from splatflow.train import finetune
 
     cfg = _cfg("default", steps=30)
     with torch.device("cpu"):  # the starting model only: not the code under test
         splats = init_splats(scene.points, scene.colors, sh_degree=1)
-    cams = prune.cameras_at(scene.train_views, 1.0)
+    cams = scoring.cameras_at(scene.train_views, 1.0)
     targets = prune.CachedImages(scene.train_views, 1.0)
 
     def recover(s, deg, steps, desc):
         return finetune(s, scene, steps, cfg, sh_degree=deg, means_lr_factor=0.3)
 
     for score in ("removal", "significance"):
-        res = prune.prune_phases(splats, 1, score_cameras=cams, val_cameras=cams[:2],
+        pcfg = PruneConfig(finetune_steps=10, finetune_growth=0.0, max_psnr_drop_db=50.0, score=score,
+                           score_rounds=2, backend="cpu", progress=False)
+        res = prune.prune_phases(splats, 1, pcfg, score_cameras=cams, val_cameras=cams[:2],
                                  val_targets=[targets[0], targets[1]], keep_fractions=[0.5], finetune=recover,
-                                 finetune_steps=10, max_psnr_drop_db=50.0, score=score, score_rounds=2,
-                                 score_targets=targets, backend="cpu", progress=False)
+                                 score_targets=targets)
         assert res.report["gaussians_after"] == round(0.5 * splats["means"].shape[0])
         assert res.report["phases"][0]["finetune_steps"] == 10
     summary, df = evaluate(res.splats, 1, scene.test_views, EvaluateConfig(backend="cpu"),

@@ -20,7 +20,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 PLUMBING = {"splatflow/stage.py", "splatflow/tracking.py", "splatflow/paths.py", "splatflow/errors.py",
-            "splatflow/stop.py", "splatflow/runtime_env.py", "splatflow/live_view.py",
+            "splatflow/stop.py", "splatflow/runtime_env.py", "splatflow/progress.py", "splatflow/live_view.py",
             *(f"splatflow/tracking/{p.name}" for p in (REPO / "splatflow" / "tracking").glob("*.py"))}
 #: What ``stage_main`` itself reads from params for every stage (seeding), and for stages that pin thread counts.
 SHELL_READS = {"base.seed", "base.scenes"}  # seeding, and the scene's own params overrides (Params.for_scene)

@@ -60,7 +60,7 @@ def test_a_watched_run_serves_its_splat_and_ends_with_the_same_parameters(scene,
     said: list[str] = []
     live = LiveView(_cameras(scene), title="tiny", port=_free_port(), every_s=0.0, log=said.append)
     try:
-        watched = train(scene, cfg, seed=0, hooks=[live])  # every_s=0: a refresh whenever the last one is shown
+        watched = train(scene, cfg, seed=0, watchers=[live])  # every_s=0: a refresh whenever the last one is shown
         assert live.wait_idle(60), "the live view did not show the last step"
         assert live.refreshes >= 2 and live.shown_step == steps, (live.refreshes, live.shown_step)
         assert any(line.startswith(f"live view: open {live.url}") for line in said), said

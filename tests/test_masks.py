@@ -121,7 +121,8 @@ def _plain_cfg(**kw):
         params_from_dict({"train": {"max_steps": 5, "backend": "cpu", "patch_max_pixels": 0, "progress": False,
                                     "resolution": [{"factor": 1.0, "start_step": 0}],
                                     "blur": {"sigma_start_px": 0.0}, "early_stop": {"enabled": False},
-                                    "densify": {"strategy": "none"}}}).train, **kw)
+                                    "densify": {"strategy": "none"}, "prune_during": {"enabled": False}}}).train,
+        **kw)
 
 
 @pytest.mark.parametrize("ssim_lambda", [0.0, 0.2])

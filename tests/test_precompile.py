@@ -114,7 +114,7 @@ def test_a_training_run_after_precompile_compiles_nothing_itself(tmp_path):
 
 
 def test_a_cpu_run_compiles_first_and_reports_the_seconds(monkeypatch, tmp_path):
-    from splatflow.config import TrainConfig
+    from splatflow.config import PruneDuringConfig, TrainConfig
     from splatflow.scene.dataset import load_scene
     from splatflow.train import Trainer
     from tests._tiny import write_tiny_scene
@@ -122,6 +122,7 @@ def test_a_cpu_run_compiles_first_and_reports_the_seconds(monkeypatch, tmp_path)
     calls = []
     monkeypatch.setattr(P, "precompile", lambda threads: calls.append(threads) or 12.5)
     d = write_tiny_scene(tmp_path / "s", width=32, height=24, n_points=200)
-    res = Trainer(load_scene(d, d / "split.json"), TrainConfig(max_steps=3, backend="cpu", progress=False)).run()
+    cfg = TrainConfig(max_steps=3, backend="cpu", progress=False, prune_during=PruneDuringConfig(enabled=False))
+    res = Trainer(load_scene(d, d / "split.json"), cfg).run()
     assert len(calls) == 1 and calls[0] >= 1  # once, before the first step, with the run's thread count
     assert res.compile_seconds == 12.5 and res.steps == 3

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from splatflow import prune
+from splatflow import prune, scoring
 from splatflow.config import PruneConfig, TrainConfig
 from splatflow.model import Splats, load_checkpoint, load_splats, render_view, save_checkpoint
 from splatflow.render.projection import project_gaussians
@@ -70,8 +70,8 @@ def make_splats(seed: int = 0) -> tuple[dict[str, torch.Tensor], dict[str, np.nd
     return splats, groups
 
 
-def cameras() -> list[prune.Camera]:
-    return [prune.Camera(_w2c(x), K, W, H) for x in (-0.1, 0.0, 0.1)]
+def cameras() -> list[scoring.Camera]:
+    return [scoring.Camera(_w2c(x), K, W, H) for x in (-0.1, 0.0, 0.1)]
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,7 @@ def scene_files(tmp_path_factory):
     rng = np.random.default_rng(0)
     views = []
     for i, x in enumerate((-0.1, 0.0, 0.1, 0.05)):
-        cam = prune.Camera(_w2c(x), K, W, H)
+        cam = scoring.Camera(_w2c(x), K, W, H)
         img = render_view(Splats.of(splats), cam, 1, BACKEND).numpy()
         img = np.clip(img + rng.normal(0, 0.01, img.shape), 0, 1)
         path = root / f"view{i}.png"
@@ -100,7 +100,7 @@ def scene_files(tmp_path_factory):
 # ----------------------------------------------------------------------------------------------- scoring
 
 
-def brute_force_weight_sums(splats: dict, cams: list[prune.Camera]) -> torch.Tensor:
+def brute_force_weight_sums(splats: dict, cams: list[scoring.Camera]) -> torch.Tensor:
     """Dense compositing, no tiles: every pixel against every Gaussian in depth order (gsplat's rules:
     alpha = min(0.999, o exp(-sigma)), skip alpha < 1/255 or sigma < 0, stop before T would reach 1e-4)."""
     a = Splats.of(splats).activated()
@@ -129,19 +129,19 @@ def brute_force_weight_sums(splats: dict, cams: list[prune.Camera]) -> torch.Ten
 
 def test_volume_weight_matches_paper_definition():
     log_s = torch.log(torch.tensor([[1.0, 1.0, 1.0], [0.1, 0.1, 0.1], [0.5, 0.5, 0.5], [2.0, 1.0, 1.0]] * 5))
-    w = prune.volume_weight(log_s, beta=0.1, ref_quantile=0.1)
+    w = scoring.volume_weight(log_s, beta=0.1, ref_quantile=0.1)
     v = torch.exp(log_s.double()).prod(-1)
     v_ref = torch.sort(v).values[2]  # floor(0.1 * 20) = 2 in ascending order: 90% are at least this large
     assert torch.allclose(w, torch.clamp(v / v_ref, 0, 1) ** 0.1)
     assert w.max() == 1.0 and math.isclose(float(w.min()), (0.001 / 0.001) ** 0.1)  # ref is itself a 0.1^3 one
-    assert torch.equal(prune.volume_weight(log_s, beta=0.0), torch.ones(20, dtype=torch.float64))
+    assert torch.equal(scoring.volume_weight(log_s, beta=0.0), torch.ones(20, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
 def test_significance_matches_brute_force(backend):
     splats, _ = make_splats()
     cams = cameras()
-    ours = prune.significance(splats, cams, beta=0.1, ref_quantile=0.1, backend=backend)
+    ours = scoring.significance(splats, cams, beta=0.1, ref_quantile=0.1, backend=backend)
     truth = brute_force_weight_sums(splats, cams)
     vol = torch.exp(splats["scales"].double()).prod(-1)
     v_ref = torch.sort(vol).values[int(0.1 * len(vol))]
@@ -152,8 +152,8 @@ def test_significance_matches_brute_force(backend):
 
 def test_keeps_exactly_the_significant_gaussians():
     splats, groups = make_splats()
-    scores = prune.significance(splats, cameras(), backend=BACKEND)
-    kept = prune.top_indices(scores, N_BIG)
+    scores = scoring.significance(splats, cameras(), backend=BACKEND)
+    kept = scoring.top_indices(scores, N_BIG)
     assert set(kept.tolist()) == set(groups["big"].tolist())
     # nothing transparent or behind the cameras scores at all; hidden and sub-pixel ones score far less
     assert float(scores[groups["transparent"]].max()) == 0.0 and float(scores[groups["behind"]].max()) == 0.0
@@ -163,7 +163,7 @@ def test_keeps_exactly_the_significant_gaussians():
     assert all(torch.equal(sub[k], splats[k][kept]) for k in sub)
 
 
-def _targets(splats: dict, cams: list[prune.Camera], sh_degree: int = 1) -> list[torch.Tensor]:
+def _targets(splats: dict, cams: list[scoring.Camera], sh_degree: int = 1) -> list[torch.Tensor]:
     return [render_view(Splats.of(splats), cam, sh_degree, "torch") for cam in cams]
 
 
@@ -176,7 +176,7 @@ def test_removal_scores_equal_removing_each_gaussian():
     cams = cameras()
     g = torch.Generator().manual_seed(1)
     targets = [torch.rand(H, W, 3, generator=g) for _ in cams]
-    ours = prune.removal_scores(splats, 1, cams, targets)
+    ours = scoring.removal_scores(splats, 1, cams, targets)
     a = Splats.of(splats).activated()
     n = a.means.shape[0]
 
@@ -200,20 +200,20 @@ def test_removal_scores_rank_by_worth_not_by_coverage():
     spoils the picture (absent from the targets) scores lowest, below zero, where LightGaussian ranks it first."""
     splats, groups = make_splats()
     cams = cameras()
-    scores = prune.removal_scores(splats, 1, cams, _targets(splats, cams))
-    assert set(prune.top_indices(scores, N_BIG).tolist()) == set(groups["big"].tolist())
+    scores = scoring.removal_scores(splats, 1, cams, _targets(splats, cams))
+    assert set(scoring.top_indices(scores, N_BIG).tolist()) == set(groups["big"].tolist())
     assert float(scores[groups["transparent"]].abs().max()) == 0.0 and float(scores[groups["behind"]].max()) == 0.0
 
     spoiler = {k: torch.cat([v, v[groups["big"][:1]]]) for k, v in splats.items()}  # a copy of a big one ...
     spoiler["means"][-1] = torch.tensor([0.0, 0.0, 2.0])  # ... in front of everything, mid-picture
     spoiler["scales"][-1] = math.log(0.4)
     spoiler["sh0"][-1] = -spoiler["sh0"][-1]
-    scores = prune.removal_scores(spoiler, 1, cams, _targets(splats, cams))
+    scores = scoring.removal_scores(spoiler, 1, cams, _targets(splats, cams))
     assert float(scores[-1]) < 0 and int(torch.argmin(scores)) == N_BIG * 5  # the first to go
-    assert int(torch.argmax(prune.significance(spoiler, cams, backend=BACKEND))) == N_BIG * 5
+    assert int(torch.argmax(scoring.significance(spoiler, cams, backend=BACKEND))) == N_BIG * 5
 
 
-def _pair_scene() -> tuple[dict[str, torch.Tensor], list[prune.Camera], list[torch.Tensor]]:
+def _pair_scene() -> tuple[dict[str, torch.Tensor], list[scoring.Camera], list[torch.Tensor]]:
     """Four white Gaussians apart from each other on black: a semi-opaque pair A, A' at the same place (0, 1),
     then two small opaque ones B (2) and C (3, the smaller). Alone, each of A and A' is nearly free to remove
     (the other still draws the spot); both together are worth more than B or C."""
@@ -226,7 +226,7 @@ def _pair_scene() -> tuple[dict[str, torch.Tensor], list[prune.Camera], list[tor
         "sh0": torch.full((n, 1, 3), 0.5 / 0.28209479),  # colour 1.0
         "shN": torch.zeros(n, 3, 3),
     }
-    cams = [prune.Camera(_w2c(0.0), K, W, H)]
+    cams = [scoring.Camera(_w2c(0.0), K, W, H)]
     return splats, cams, _targets(splats, cams)
 
 
@@ -237,9 +237,10 @@ def test_rescoring_rounds_keep_one_of_a_redundant_pair():
     splats, cams, targets = _pair_scene()
     psnr = {}
     for rounds, survivors in ((1, [2, 3]), (2, [0, 2])):
-        res = prune.prune_phases(splats, 1, score_cameras=cams, val_cameras=cams, val_targets=targets,
-                                 keep_fractions=[0.5], finetune=None, finetune_steps=0, max_psnr_drop_db=math.inf,
-                                 score="removal", score_rounds=rounds, score_targets=targets, progress=False)
+        cfg = PruneConfig(finetune_steps=0, finetune_growth=0.0, max_psnr_drop_db=math.inf, score="removal",
+                          score_rounds=rounds, progress=False)
+        res = prune.prune_phases(splats, 1, cfg, score_cameras=cams, val_cameras=cams, val_targets=targets,
+                                 keep_fractions=[0.5], finetune=None, score_targets=targets)
         assert res.splats["means"].shape[0] == 2
         assert torch.equal(res.splats["scales"], splats["scales"][survivors])  # (A or A', the same) and B
         psnr[rounds] = res.report["val_psnr_after"]
@@ -268,7 +269,7 @@ def test_cached_training_images_match_their_cameras(scene_files):
     """The removal score's targets: decoded on demand within the cache budget, each the size of its camera."""
     views = scene_files.scene.train_views
     images = prune.CachedImages(views, 0.5, image_cache_mb=0)  # a zero budget keeps only the last image
-    cams = prune.cameras_at(views, 0.5)
+    cams = scoring.cameras_at(views, 0.5)
     assert len(images) == len(cams) == 3
     for img, cam in zip(images, cams):
         assert img.shape == (cam.height, cam.width, 3) and img.dtype == torch.float32
@@ -294,9 +295,10 @@ def test_early_stop_keeps_last_phase_within_tolerance(scene_files):
     """Phases keeping >= 20 lose only negligible Gaussians; the 5th (14 of 100) removes opaque ones: rejected."""
     cams, targets = _val(scene_files)
     seen = []
-    res = prune.prune_phases(scene_files.splats, 1, score_cameras=cameras(), val_cameras=cams, val_targets=targets,
-                             keep_fractions=prune.keep_schedule(0.6, 0.7, 6), finetune=None, finetune_steps=0,
-                             max_psnr_drop_db=0.5, backend=BACKEND, progress=False,
+    cfg = PruneConfig(finetune_steps=0, finetune_growth=0.0, max_psnr_drop_db=0.5, score="significance",
+                      score_rounds=1, backend=BACKEND, progress=False)
+    res = prune.prune_phases(scene_files.splats, 1, cfg, score_cameras=cameras(), val_cameras=cams,
+                             val_targets=targets, keep_fractions=prune.keep_schedule(0.6, 0.7, 6), finetune=None,
                              phase_callback=lambda rec, s: seen.append(s["means"].shape[0]))
     r = res.report
     assert [p["gaussians"] for p in r["phases"]] == [60, 42, 29, 21, 14] == seen
@@ -320,19 +322,21 @@ def test_recovery_steps_grow_as_the_model_shrinks(scene_files):
         calls.append((s["means"].shape[0], steps))
         return s
 
-    res = prune.prune_phases(scene_files.splats, 1, score_cameras=cameras(), val_cameras=cams, val_targets=targets,
-                             keep_fractions=prune.keep_schedule(0.6, 0.7, 3), finetune=fake_recovery,
-                             finetune_steps=100, finetune_growth=0.5, max_psnr_drop_db=100.0, backend=BACKEND,
-                             progress=False)
+    cfg = PruneConfig(finetune_steps=100, finetune_growth=0.5, max_psnr_drop_db=100.0, score="significance",
+                      score_rounds=1, backend=BACKEND, progress=False)
+    res = prune.prune_phases(scene_files.splats, 1, cfg, score_cameras=cameras(), val_cameras=cams,
+                             val_targets=targets, keep_fractions=prune.keep_schedule(0.6, 0.7, 3),
+                             finetune=fake_recovery)
     assert calls == [(60, round(100 / 0.6 ** 0.5)), (42, round(100 / 0.42 ** 0.5)), (29, round(100 / 0.294 ** 0.5))]
     assert [p["finetune_steps"] for p in res.report["phases"]] == [c[1] for c in calls]
 
 
 def test_zero_tolerance_rejects_first_phase_and_keeps_the_model(scene_files):
     cams, targets = _val(scene_files)
-    res = prune.prune_phases(scene_files.splats, 1, score_cameras=cameras(), val_cameras=cams, val_targets=targets,
-                             keep_fractions=[0.1], finetune=None, finetune_steps=0, max_psnr_drop_db=0.0,
-                             backend=BACKEND, progress=False)
+    cfg = PruneConfig(finetune_steps=0, finetune_growth=0.0, max_psnr_drop_db=0.0, score="significance",
+                      score_rounds=1, backend=BACKEND, progress=False)
+    res = prune.prune_phases(scene_files.splats, 1, cfg, score_cameras=cameras(), val_cameras=cams,
+                             val_targets=targets, keep_fractions=[0.1], finetune=None)
     assert res.report["stopped_early"] and res.report["gaussians_after"] == 100
     assert all(torch.equal(res.splats[k], scene_files.splats[k]) for k in res.splats)
 

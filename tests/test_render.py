@@ -476,7 +476,9 @@ def test_float32_compositing_follows_float64_on_deep_lists():
     assert (alpha32 - alpha64).abs().max().item() <= 1e-5
     for k in PARAMS:
         assert g64[k].abs().max() > 0, k
-        assert rel_err(g32[k], g64[k]) <= 2e-5, k  # measured 0.8-1.5e-6
+        # measured 0.8-1.5e-6 on a Zen 5 host (AVX-512), 2.5e-5 for the means on a Zen 3 host (AVX2): the float32
+        # sums run in another order there; either is far below a broken float32 path (> 1e-2)
+        assert rel_err(g32[k], g64[k]) <= 5e-5, k
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])

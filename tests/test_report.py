@@ -119,7 +119,9 @@ def test_report_opened_from_disk_offline_shows_the_splat(reconstructed, tmp_path
     shutil.copy(reconstructed / "reports/tiny/index.html", alone)
     url = alone.as_uri()
 
-    dom = _chromium.dump_dom_until(url, lambda d: _parse(d).viewer.get("data-state") != "loading", offline=True)
+    # until the page's script has decided (under load it may not have started at the first look)
+    dom = _chromium.dump_dom_until(url, lambda d: _parse(d).viewer.get("data-state") in ("ready", "error"),
+                                   offline=True)
     viewer = _parse(dom).viewer
     assert viewer.get("data-state") == "ready", viewer.get("data-error", viewer)
 
@@ -199,3 +201,26 @@ def test_training_plot_phases_of_a_capture_with_two_image_sizes():
     single = pd.DataFrame([(10, 0, "80x60"), (20, 0, "80x60"), (30, 1, "160x120")], columns=df.columns)
     assert resolution_phases(single) == [(10, 20, "80x60"), (30, 30, "160x120")]
     assert resolution_phases(single.drop(columns="phase")) == [(10, 20, "80x60"), (30, 30, "160x120")]
+
+
+def test_error_map_scale_reads_as_the_maps_colours():
+    """The legend beside the test views: its ramp shows the error map's colours at the errors its ticks name."""
+    import re
+
+    import torch
+
+    from splatflow.evaluate import error_heatmap
+    from splatflow.report import CSS, error_scale_html
+
+    gain = 4.0
+    legend = error_scale_html(gain)
+    assert 'data-max="0.25"' in legend and "evaluate.error_gain = 4" in legend
+    ticks = [float(t) for t in re.findall(r'left:[0-9.]+%">([0-9.]+)<', legend)]
+    assert ticks == pytest.approx([0.0, 0.25 / 3, 0.5 / 3, 0.25], rel=1e-2)
+    stops = re.findall(r"#([0-9a-f]{3}) ([0-9.]+)%", CSS.split("linear-gradient", 1)[1].split(")", 1)[0])
+    assert len(stops) == 4
+    for colour, pct in stops:
+        err = float(pct) / 100 / gain  # the mean absolute error the ramp stands for at this stop
+        rgb = error_heatmap(torch.full((1, 1, 3), err), torch.zeros(1, 1, 3), gain)[0, 0].astype(int)
+        want = [int(ch, 16) * 17 for ch in colour]
+        assert np.abs(rgb - want).max() <= 1, (colour, pct, rgb)

@@ -20,6 +20,8 @@ import torch
 from splatflow.model import SPLAT_KEYS
 from tests._project import drill_project, run, tracked_env
 
+pytestmark = pytest.mark.slow  # runs the pipeline through DVC
+
 SCENE = "tiny"
 
 
@@ -136,3 +138,27 @@ def test_kill9_during_prune_continues_after_the_last_finished_phase(proj):
     _assert_same(_splats(out_ckpt), full)
     assert [ph["val_psnr"] for ph in m["phases"]] == pytest.approx([ph["val_psnr"] for ph in full_metrics["phases"]])
     assert not phases.exists()
+
+
+def test_a_truncated_checkpoint_is_moved_aside_and_training_says_where_it_starts(proj):
+    """A checkpoint cut short (a full disk, a copy that stopped) cannot be resumed: the stage keeps the file under
+    another name, says what it found and where it moved it, and trains from step 0 instead of starting over
+    silently."""
+    import json
+
+    ckpt = proj / "models" / SCENE / "train" / "ckpt.pt"
+    if not ckpt.exists():
+        _stage(proj, "train")
+    data = ckpt.read_bytes()
+    ckpt.write_bytes(data[: len(data) // 2])
+    bad = ckpt.read_bytes()
+
+    p = _stage(proj, "train")
+    err = " ".join(p.stderr.split())
+    assert f"{ckpt}: cannot be read (" in err and "training starts from step 0" in err, err
+    aside = list(ckpt.parent.glob("ckpt.pt.unreadable-*"))
+    assert len(aside) == 1 and f"moved it to {aside[0]}" in err, err
+    assert aside[0].read_bytes() == bad  # kept as it was found
+    m = json.loads((proj / "metrics" / SCENE / "train.json").read_text())
+    assert m["resumed_from"] is None and m["steps"] == 100
+    assert torch.load(ckpt, weights_only=False)["step"] == 100  # a new, readable checkpoint took its place

@@ -199,6 +199,7 @@ def test_camera_error_is_zero_for_a_similar_copy_and_matches_names_by_stem(tmp_p
 
 
 @pytest.mark.skipif(not (STRECHA / "images").is_dir(), reason=f"{STRECHA} not present")
+@pytest.mark.slow
 def test_strecha_fountain_registers_all_views_at_the_true_cameras(tmp_path):
     result = run_sfm(STRECHA / "images", tmp_path / "sparse", tmp_path / "undistorted", SfmConfig(),
                      ground_truth=STRECHA / "gt_dense_cameras", progress=False)

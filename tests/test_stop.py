@@ -23,6 +23,8 @@ import yaml
 
 from tests._project import drill_project, tracked_env
 
+pytestmark = pytest.mark.slow  # runs the pipeline through DVC
+
 SCENE = "tiny"
 
 

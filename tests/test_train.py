@@ -42,13 +42,16 @@ def scene(scene_dir):
 
 def small_cfg(max_steps=300, **kw) -> TrainConfig:
     cfg = TrainConfig(max_steps=max_steps, backend="cpu", progress=False, sh_degree_interval=max(1, max_steps // 4))
+    # the training mechanics alone: pruning during training has tests of its own (tests/test_prune_during.py)
     cfg = replace(cfg, densify=replace(cfg.densify, refine_every=25, reset_every=0),
-                  early_stop=replace(cfg.early_stop, eval_every=50, val_views=2))
+                  early_stop=replace(cfg.early_stop, eval_every=50, val_views=2),
+                  prune_during=replace(cfg.prune_during, enabled=False))
     return replace(cfg, **kw)
 
 
 @torch.no_grad()
-def test_view_psnr(splats, views, sh_degree) -> float:
+def mean_view_psnr(splats, views, sh_degree) -> float:
+    """Mean PSNR (dB) of the renders of ``views`` against their image files."""
     vals = []
     import cv2
 
@@ -60,8 +63,6 @@ def test_view_psnr(splats, views, sh_degree) -> float:
     return float(np.mean(vals))
 
 
-test_view_psnr.__test__ = False  # a helper, not a test
-
 
 def train_off_and_on(scene, switch: str) -> dict:
     """{False: (held-out PSNR, Gaussians), True: (...)} of two 300-step runs from seed 0 on quarter-view windows
@@ -71,19 +72,19 @@ def train_off_and_on(scene, switch: str) -> dict:
     out = {}
     for on in (False, True):
         res = train(scene, replace(cfg, **{switch: on}), seed=0)
-        out[on] = (test_view_psnr(res.splats, scene.test_views, res.sh_degree), Splats.of(res.splats).n)
+        out[on] = (mean_view_psnr(res.splats, scene.test_views, res.sh_degree), Splats.of(res.splats).n)
     return out
 
 
 @pytest.mark.parametrize("strategy", ["mcmc", "default"])
 def test_training_lifts_test_view_psnr_well_above_the_initial_render(scene, tmp_path, strategy):
     init = init_splats(scene.points, scene.colors, sh_degree=3)
-    before = test_view_psnr(init, scene.test_views, 0)
+    before = mean_view_psnr(init, scene.test_views, 0)
     cfg = small_cfg(300)
     cfg = replace(cfg, densify=replace(cfg.densify, strategy=strategy),  # the plateau stop has its own tests
                   early_stop=replace(cfg.early_stop, enabled=False))
     res = train(scene, cfg, ckpt_path=tmp_path / "ckpt.pt", csv_path=tmp_path / "train.csv")
-    after = test_view_psnr(res.splats, scene.test_views, res.sh_degree)
+    after = mean_view_psnr(res.splats, scene.test_views, res.sh_degree)
     assert res.steps == 300 and res.stopped == "max_steps"
     # MCMC grows by 5% per refine, so in these 300 steps it ends with fewer Gaussians than ADC and learns less
     lift, floor = (5.0, 21.0) if strategy == "default" else (4.0, 20.5)
@@ -239,7 +240,8 @@ class Announce:
     def close(self):
         pass
 cfg = TrainConfig(max_steps=100000, backend="cpu", progress=False, checkpoint_every=100000, log_every=5)
-cfg = replace(cfg, early_stop=replace(cfg.early_stop, enabled=False))
+cfg = replace(cfg, early_stop=replace(cfg.early_stop, enabled=False),
+              prune_during=replace(cfg.prune_during, enabled=False))
 res = train(scene, cfg, ckpt_path=sys.argv[2], step_logger=Announce())
 print("STOPPED", res.stopped, res.steps, flush=True)
 """
@@ -266,10 +268,10 @@ def test_sigterm_saves_a_resumable_checkpoint_and_exits_cleanly(scene_dir, tmp_p
 
 def test_finetune_improves_a_perturbed_model_without_densifying(scene):
     init = init_splats(scene.points, scene.colors, sh_degree=1)
-    before = test_view_psnr(init, scene.train_views[:3], 0)
+    before = mean_view_psnr(init, scene.train_views[:3], 0)
     out = finetune(init, scene, 60, small_cfg(60), sh_degree=0)
     assert out["means"].shape == init["means"].shape  # no densification
-    assert test_view_psnr(out, scene.train_views[:3], 0) > before + 1.0
+    assert mean_view_psnr(out, scene.train_views[:3], 0) > before + 1.0
     assert torch.equal(init["means"], init_splats(scene.points, scene.colors, sh_degree=1)["means"])  # untouched
 
 
@@ -392,8 +394,8 @@ def test_patch_training_learns(scene):
     cfg = small_cfg(max_steps=300, patch_max_pixels=96 * 72 // 4)
     res = train(scene, cfg, seed=0)
     init = init_splats(scene.points, scene.colors, sh_degree=cfg.sh_degree)
-    before = test_view_psnr(init, scene.test_views, 0)
-    after = test_view_psnr(res.splats, scene.test_views, res.sh_degree)
+    before = mean_view_psnr(init, scene.test_views, 0)
+    after = mean_view_psnr(res.splats, scene.test_views, res.sh_degree)
     assert after > before + 3.0, (before, after)
 
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from splatflow.config import ConfigError, TrainConfig, params_from_dict
-from splatflow.scene.images import ImageCache, scale_intrinsics
+from splatflow.scene.cameras import scale_intrinsics
+from splatflow.scene.images import ImageCache
 from splatflow.render.blur import gaussian_blur
 from splatflow.train.schedules import ExpDecay, PlateauStopper, Schedules
 from splatflow.train.strategies import (BudgetedDefaultStrategy, Strategy, TorchMCMCStrategy,
@@ -290,7 +291,7 @@ def test_the_loop_needs_only_the_strategy_protocol(tmp_path):
     scene = load_scene(d, d / "split.json")
     cfg = TrainConfig(max_steps=10, backend="cpu", progress=False)
     cfg = replace(cfg, early_stop=replace(cfg.early_stop, enabled=False),
-                  densify=replace(cfg.densify, strategy="none"))
+                  densify=replace(cfg.densify, strategy="none"), prune_during=replace(cfg.prune_during, enabled=False))
 
     class Recorder:
         def __init__(self, term):

@@ -15,6 +15,8 @@ import pytest
 
 from tests._project import BIN, make_project, project_env
 
+pytestmark = pytest.mark.slow  # runs the pipeline through DVC
+
 HOLD = """
 import sys, time
 from splatflow.orchestrate.workspace import workspace_lock
@@ -96,6 +98,32 @@ def test_a_plain_dvc_repro_in_the_checkout_is_waited_for_and_named(tmp_path):
         import os
 
         assert json.loads((toy / ".splatflow" / "workspace.lock").read_text())["pid"] == os.getpid()
+
+
+def test_a_waiting_run_lets_an_older_dvc_repro_finish_its_stages(proj):
+    """``splatflow run`` started while a plain ``dvc repro`` works waits without holding the lock: the repro's next
+    stage starts (it is not refused as "busy"), and the run starts DVC only after that repro ended."""
+    env = _env(proj, SPLATFLOW_STAGE_HOLD_S="15")
+    # settings@tiny, then ingest@tiny (which fails on the empty capture folder with its own message)
+    older = Background([str(BIN / "dvc"), "repro", "--force", "ingest@tiny"], proj, env)
+    waiter = None
+    try:
+        older.wait_for("holding")  # the older repro is inside its first stage
+        waiter = Background(_cli_cmd("run", "tiny"), proj, _env(proj))
+        waiter.wait_for("waiting:", timeout=120)  # (while the older repro's first stage still holds)
+        older.wait_for("Running stage 'ingest@tiny'", timeout=120)
+        older.proc.wait(timeout=300)
+        older_out = " ".join(older.rest().split())
+        waiter.proc.wait(timeout=300)
+        waited = " ".join(waiter.rest().split())
+    finally:
+        older.kill()
+        if waiter is not None:
+            waiter.kill()
+    assert "is busy" not in older_out and "not started" not in older_out, older_out
+    assert "ingest [tiny] failed" in older_out, older_out  # the stage did its own work (an empty capture folder)
+    assert f"pid {older.proc.pid}" in waited, waited
+    assert waited.index("waiting:") < waited.index("$ dvc repro"), waited  # it ran once the older repro was done
 
 
 # ------------------------------------------------------------------ a `dvc repro` by hand beside a running writer
@@ -209,7 +237,7 @@ def test_splatflow_run_passes_sigterm_on_to_the_stage(two_scenes):
 
     db = two_scenes / "mlflow.db"
     env = _env(two_scenes, SPLATFLOW_TRACKING="on", MLFLOW_TRACKING_URI=f"sqlite:///{db}",
-               SPLATFLOW_STAGE_HOLD_S="300")
+               SPLATFLOW_STAGE_HOLD_S="ingest:300")  # settings, which runs first, opens no run
     env.pop("MLFLOW_RUN_ID", None)
     run = Background(_cli_cmd("run", "tiny"), two_scenes, env)
     try:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-SH_C0 = 0.28209479177387814  # Y_0^0 = 1 / (2 sqrt(pi)); colour = 0.5 + SH_C0 * dc (3DGS convention)
 KEYS = ("means", "quats", "scales", "opacities", "sh0", "shN")
 
 

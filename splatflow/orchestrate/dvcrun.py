@@ -22,6 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, TextIO
 
+from splatflow.errors import UserError
+from splatflow.scene_settings import missing_source
+
 VENV_BIN = Path(sys.executable).parent
 #: DVC's message when another dvc process holds the workspace lock: the one failure a retry can fix.
 LOCK_BUSY = re.compile(r"Unable to acquire lock|is busy|LockError", re.IGNORECASE)
@@ -125,8 +128,6 @@ def check_sources(root: str | Path, scenes: list[str]) -> None:
     path and the fix; nothing has run then."""
     import yaml
 
-    from splatflow.errors import UserError
-
     root = Path(root)
     try:  # read as DVC reads it (the params are validated by the stages; a flow may drive another DVC project)
         entries = (yaml.safe_load((root / "params.yaml").read_text()) or {}).get("base", {}).get("scenes", {})
@@ -137,15 +138,9 @@ def check_sources(root: str | Path, scenes: list[str]) -> None:
         src = (entries.get(scene) or {}).get("source") if isinstance(entries, dict) else None
         if not isinstance(src, str) or not src:
             continue
-        path = Path(src) if Path(src).is_absolute() else root / src
-        if path.exists():
-            continue
-        if scene == "demo" and Path(src) == Path("data/raw/demo/images"):
-            fix = "write it with `splatflow demo-scene` (or run `make demo`)"
-        else:
-            fix = ("connect the drive it is on, or fix the path in params.yaml (`splatflow add-scene " + scene +
-                   " PATH --force` rewrites the entry)")
-        problems.append(f"base.scenes.{scene}.source = {src}: {path} does not exist; {fix}")
+        problem = missing_source(root, scene, src)
+        if problem:
+            problems.append(problem)
     if problems:
         raise UserError("\n".join(problems) + "\nNothing was run, and the scene's earlier outputs are untouched"
                         + (" (name the scenes to run: `splatflow run SCENE`)" if len(scenes) > 1 else "") + ".")
@@ -295,6 +290,10 @@ def status(root: str | Path, stages: list[str], env: dict[str, str] | None = Non
     return json.loads(text[text.index("{"):]) if "{" in text else {}
 
 
+#: How ``dvc status`` lists a stage marked ``always_changed`` (the settings stage).
+ALWAYS_CHANGED = "always changed"
+
+
 def _inside_any(path: str, outs: set[str]) -> bool:
     """``path`` is one of ``outs`` or lies inside one (a stage may depend on part of an upstream output folder:
     split reads ``data/S/undistorted/sparse`` of sfm's ``data/S/undistorted``)."""
@@ -319,6 +318,8 @@ def only_outputs_missing(root: str | Path, stages: list[str], env: dict[str, str
         return False, f"dvc.lock has no entry for {', '.join(missing)}"
     for stage, changes in status(root, stages, env).items():
         for change in changes:
+            if change == ALWAYS_CHANGED:  # the settings stage: it runs in every repro and changes nothing
+                continue
             if not isinstance(change, dict):
                 return False, f"{stage}: {change}"
             for kind, files in change.items():

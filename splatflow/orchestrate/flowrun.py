@@ -19,6 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
+from splatflow.orchestrate.dvcrun import StageFailed, dvc_executable, stage_env, stage_order
+from splatflow.orchestrate.workspace import run_foreground
+
 #: Prefect's own loggers for flow and task runs: their records reach the API handler; on the console they would
 #: repeat every line of the stages' output that the echo already showed.
 _RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
@@ -71,8 +74,6 @@ def run_scenes(root: Path, scenes: list[str], *, force: bool,
     """Each scene through the in-place ``reconstruct`` flow; stops at the first scene that does not finish (like
     ``dvc repro``). A bad input of a scene (a missing capture) raises its UserError before anything runs."""
     from prefect.exceptions import TerminationSignal
-
-    from splatflow.orchestrate.dvcrun import StageFailed
 
     if str(root) not in sys.path:  # the flows come from the project that runs, not from the cwd
         sys.path.insert(0, str(root))
@@ -137,9 +138,6 @@ def _flow_run_name(flow_run_id: str | None) -> str | None:
 
 def _with_dvc_alone(root: Path, scene: str, force: bool) -> int:
     """``dvc repro`` of the scene's stages in the foreground (a stop passed on to the stage); its exit status."""
-    from splatflow.orchestrate.dvcrun import dvc_executable, stage_env, stage_order
-    from splatflow.orchestrate.workspace import run_foreground
-
     cmd = [dvc_executable(), "repro", *stage_order(root, scene)] + (["--force"] if force else [])
     print("$ " + " ".join(["dvc", *cmd[1:]]), flush=True)
     return run_foreground(cmd, root, stage_env())

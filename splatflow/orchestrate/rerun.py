@@ -41,6 +41,10 @@ ABS_TOLERANCES = {
     "camera_center_error_rel": 1e-3,  # 0.1 % of the orbit extent
     "camera_rotation_error_deg": 0.05,
     "mean_reprojection_error_px": 0.05,
+    "image_reprojection_error_px_median": 0.05,
+    "image_reprojection_error_px_p90": 0.05,
+    "image_reprojection_error_px_max": 0.1,
+    "points_two_view_fraction": 0.01,  # one point in a hundred: the tiny test scene moved 0.35 % -> 0.44 %
 }
 #: Export round-trip errors (``export.files.<fmt>.max_errors.*``) are quantisation residues of a few 1e-5 that
 #: follow every tiny change of the model; the export stage already checks each against its format's bound.

@@ -18,7 +18,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -70,10 +69,17 @@ class Server:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def wait_healthy(self, timeout_s: float = 120.0) -> "Server":
-        """Poll the health URL; a process that exits early fails at once with the tail of its log."""
+    def wait_healthy(self, timeout_s: float = 120.0, on_wait=None, every_s: float = 10.0) -> "Server":
+        """Poll the health URL; a process that exits early fails at once with the tail of its log.
+        ``on_wait(seconds)`` is called every ``every_s`` while it is not healthy yet (a first start of the Prefect
+        server, migrating its database, takes minutes on a busy machine: say that it is still coming)."""
         t0 = time.monotonic()
+        told = 0
         while time.monotonic() - t0 < timeout_s:
+            waited = time.monotonic() - t0
+            if on_wait is not None and waited >= (told + 1) * every_s:
+                told = int(waited // every_s)
+                on_wait(waited)
             if not self.alive():
                 raise RuntimeError(f"{self.name} server exited with {self.proc.returncode}; log {self.log}:\n"
                                    f"{self.tail()}")
@@ -242,6 +248,3 @@ def settle_flow_runs(pool: str, pids: set[int]) -> list[str]:
             settled.append(f"{run.name} ({state.type.value})")
     return settled
 
-
-def python_exe() -> str:
-    return sys.executable

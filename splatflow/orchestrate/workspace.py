@@ -302,7 +302,8 @@ def busy_message(root: str | Path, who: str) -> str:
 def workspace_lock(root: str | Path, wait_s: float | None = None,
                    on_wait: Callable[[str], None] | None = None) -> Iterator[None]:
     """Be this checkout's only writer while reproducing in it: hold ``.splatflow/workspace.lock`` (released when
-    the process dies, whatever the way) and wait until no plain ``dvc repro`` runs here either.
+    the process dies, whatever the way), taken once neither another holder nor a plain ``dvc repro`` works here;
+    while it waits, it holds nothing, so an older ``dvc repro`` goes on to its next stage undisturbed.
 
     The holder writes its pid, command and start time into the lock file, so whoever waits can say what holds
     the workspace. ``wait_s``: None waits as long as it takes, a number raises :class:`WorkspaceBusy` after that
@@ -351,12 +352,24 @@ def _exclusive(root: str | Path, wait_s: float | None, on_wait: Callable[[str], 
 
     with open(lock, "a+") as fh:
         t0 = time.monotonic()
+        # A waiter holds nothing: a plain `dvc repro` does not know our lock, but each of its stages checks it
+        # (foreign_writer), so holding the lock while waiting for that repro would stop its next stage. The lock is
+        # taken only when no such repro runs, and given up again if one started between the look and the lock.
         while True:
+            others = dvc_writers(root)
+            if others:
+                waiting(_describe(others[0]), t0)
+                continue
             try:
                 fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
             except BlockingIOError:
                 waiting(_describe(_holder(lock)), t0)
+                continue
+            others = dvc_writers(root)
+            if not others:
+                break
+            fcntl.flock(fh, fcntl.LOCK_UN)
+            waiting(_describe(others[0]), t0)
         try:
             fh.seek(0)
             fh.truncate()
@@ -365,11 +378,6 @@ def _exclusive(root: str | Path, wait_s: float | None, on_wait: Callable[[str], 
                                                                           *sys.argv[1:]])[:200],
                                  "started": time.time()}) + "\n")
             fh.flush()
-            while True:  # a plain `dvc repro` does not know our lock: wait for it to end too
-                others = dvc_writers(root)
-                if not others:
-                    break
-                waiting(_describe(others[0]), t0)
             yield
         finally:
             with contextlib.suppress(OSError):

@@ -12,6 +12,7 @@ See docs/backends.md.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Literal
 
 import torch
@@ -24,8 +25,11 @@ from ._numba_cache import install as _install_cache_locator
 _install_cache_locator()  # before any kernel module is imported: numba picks a kernel's cache folder at decoration
 
 from .constants import TILE  # noqa: E402
+from .cpu import project_cpu, rasterize_cpu, removal_loss_cpu  # noqa: E402
+from .oracle import rasterize_oracle  # noqa: E402
 from .projection import gaussian_colors, project_gaussians, tile_grid  # noqa: E402
-from .threads import configure_threads, warmup  # noqa: E402
+from .score_torch import removal_loss_torch  # noqa: E402
+from .threads import configure_threads  # noqa: E402
 
 __all__ = ["rasterize", "removal_loss", "resolve_backend", "configure_threads", "warmup", "CudaUnavailableError",
            "BACKENDS"]
@@ -139,8 +143,6 @@ def rasterize(
 
     if name == "cpu" and means.dtype in (torch.float32, torch.float64):
         # fused numba projection + SH with an analytic backward (the torch version below is the oracle's)
-        from .cpu import project_cpu
-
         if sh_degree is not None:
             parts = colors if isinstance(colors, (tuple, list)) else (colors,)
             if any(c.dim() != 3 or c.shape[0] != N or c.shape[-1] != 3 for c in parts) or parts[0].shape[1] < 1:
@@ -190,15 +192,11 @@ def rasterize(
         raise ValueError(f"backgrounds must be [C, {feats.shape[-1] - (render_mode == 'RGB+ED')}], got {tuple(backgrounds.shape)}")
 
     if name == "cpu":
-        from .cpu import rasterize_cpu
-
         img, alpha, hits, wsum = rasterize_cpu(
             means2d, proj["conics"], feats, proj["opacities"], radii, proj["depths"], out_w, out_h,
             backgrounds=bgs, absgrad=absgrad, return_stats=return_stats,
         )
     else:
-        from .oracle import rasterize_oracle
-
         img, alpha, hits, wsum = rasterize_oracle(
             means2d, proj["conics"], feats, proj["opacities"], radii, proj["depths"], out_w, out_h,
             backgrounds=bgs, return_stats=return_stats,
@@ -238,17 +236,24 @@ def rasterize(
 @torch.no_grad()
 def removal_loss(means: Tensor, quats: Tensor, scales: Tensor, opacities: Tensor, colors: Tensor, viewmats: Tensor,
                  Ks: Tensor, width: int, height: int, *, sh_degree: int, target: Tensor | None = None,
-                 near_plane: float = 0.01, far_plane: float = 1e10, eps2d: float = 0.3) -> tuple[Tensor, Tensor]:
+                 near_plane: float = 0.01, far_plane: float = 1e10, eps2d: float = 0.3,
+                 backend: str = "auto") -> tuple[Tensor, Tensor]:
     """For every Gaussian, how much the squared error of C views would grow if it ALONE were removed.
 
     Inputs as :func:`rasterize` (SH colours ``[N, K, 3]`` or the pair ``(sh0, shN)``); ``target``
     ``[C, H, W, 3]`` (the render itself when None, giving the pure removal energy). Returns ``(render [C, H, W, 3], increase [C, N])`` in squared
     [0, 1] units summed over pixels and channels; see :func:`splatflow.render.cpu.removal_loss_cpu`. Exact for
-    single removals (each pixel is affine in one Gaussian's alpha), computed by the CPU kernels whatever the
-    machine (there is no GPU version; pruning calls it a few times per phase, not per training step).
+    single removals (each pixel is affine in one Gaussian's alpha). ``backend``: ``"cpu"`` (the CPU kernels,
+    inputs copied to the host), ``"torch"`` (:func:`.score_torch.removal_loss_torch`, the same score in torch on
+    the inputs' device) or ``"auto"``: the CPU kernels for CPU tensors, torch for any other device (a GPU run's
+    splats are scored where they are).
     """
-    from .cpu import project_cpu, removal_loss_cpu
-
+    if backend not in ("auto", "cpu", "torch"):
+        raise ValueError(f"removal_loss backend must be 'auto', 'cpu' or 'torch', got {backend!r}")
+    if backend == "torch" or (backend == "auto" and means.device.type != "cpu"):
+        return removal_loss_torch(means, quats, scales, opacities, colors, viewmats, Ks, width, height,
+                                  sh_degree=sh_degree, target=target, near_plane=near_plane, far_plane=far_plane,
+                                  eps2d=eps2d)
     dev = means.device
     a = [t.detach().cpu() for t in (means, quats, scales, opacities, viewmats, Ks)]
     sh = tuple(c.detach().cpu() for c in colors) if isinstance(colors, (tuple, list)) else colors.detach().cpu()
@@ -258,6 +263,30 @@ def removal_loss(means: Tensor, quats: Tensor, scales: Tensor, opacities: Tensor
                                 proj["depths"], int(width), int(height),
                                 target=None if target is None else target.detach().cpu())
     return img.to(dev), inc.to(dev)
+
+
+def warmup() -> float:
+    """Load (or, first time, compile) every CPU-backend kernel on a tiny scene; return the seconds it took.
+
+    The first call after a code change compiles the numba kernels (about a minute of CPU); later processes load
+    them from numba's on-disk cache (``cache=True``) in about a second. ``bench/rasterize.py`` reports both.
+    """
+    t0 = time.perf_counter()
+    for dtype in (torch.float32,):
+        g = torch.Generator().manual_seed(0)
+        N = 8
+        means = (torch.randn(N, 3, generator=g, dtype=dtype, device="cpu") * 0.3).requires_grad_()
+        quats = torch.randn(N, 4, generator=g, dtype=dtype, device="cpu").requires_grad_()
+        scales = torch.full((N, 3), 0.1, dtype=dtype, device="cpu").requires_grad_()
+        opac = torch.full((N,), 0.5, dtype=dtype, device="cpu").requires_grad_()
+        sh = torch.randn(N, 16, 3, generator=g, dtype=dtype, device="cpu").mul(0.1).requires_grad_()
+        view = torch.eye(4, dtype=dtype, device="cpu")[None].clone()
+        view[0, 2, 3] = 3.0
+        K = torch.tensor([[[40.0, 0, 16], [0, 40.0, 16], [0, 0, 1]]], dtype=dtype, device="cpu")
+        img, alpha, info = rasterize(means, quats, scales, opac, sh, view, K, 32, 32, sh_degree=3,
+                                     backend="cpu", render_mode="RGB+ED", return_stats=True, absgrad=True)
+        (img.sum() + alpha.sum()).backward()
+    return time.perf_counter() - t0
 
 
 def _rasterize_cuda(means, quats, scales, opacities, colors, viewmats, Ks, width, height, *, sh_degree, near_plane,
@@ -274,8 +303,6 @@ def _rasterize_cuda(means, quats, scales, opacities, colors, viewmats, Ks, width
     info["backend"] = "cuda"
     if return_stats:
         # gsplat has no such statistics: run our CPU compositing (forward only) on gsplat's own projection.
-        from .cpu import rasterize_cpu
-
         with torch.no_grad():
             dev = means.device
             _, _, hits, wsum = rasterize_cpu(

@@ -19,8 +19,8 @@ The per-Gaussian and per-pixel input arrays come in the caller's dtype (float32 
 per-intersection sums as an argument: the caller passes the inputs' type (``cpu._work_type``), so a float32 model
 composites in float32 as gsplat's CUDA kernels do (twice the pixels per SIMD instruction), and float64 inputs
 composite in float64 for the exactness tests. With the forward's RGB sums inside the row loop and the backward's
-per-lane gradient sums, the forward is 1.7x and the backward 1.5x faster than the float64 lanes of session 10
-on real checkpoints (bench/RESULTS.md, "Training", session 11). Per-splat set-up (the radius
+per-lane gradient sums, the forward is 1.7x and the backward 1.5x faster than float64 lanes on real checkpoints
+(docs/experiments.md, Training, 2026-11-26 08:02). Per-splat set-up (the radius
 rectangle, the row reach test) stays float64, and per-Gaussian gradient sums are float64. The general kernels
 compute in float64. The compositing kernels use ``fastmath`` (fused multiply-add, reassociation; no NaN/inf reach
 them). ``exp(-sigma)``, the most frequent operation, is a branch-free polynomial (:func:`_exp`, accurate to 5e-9
@@ -29,7 +29,7 @@ exactly.
 
 Vectorisation: the training kernels (:func:`rasterize_fwd`, :func:`rasterize_bwd_rgb`) composite a splat over
 all 16 pixels of a tile row at once, branch free, with unsigned pixel indices; the compiler turns those loops into
-SIMD code (1.5x faster forward and backward than the per-pixel loops at 120K Gaussians, bench/RESULTS.md). Two
+SIMD code (1.5x faster forward and backward than the per-pixel loops at 120K Gaussians, docs/experiments.md). Two
 things kept such loops scalar and must not come back: signed indices (numba's negative-index wrap-around) and a
 branch inside the row loop (even a loop-invariant one, e.g. a choice of exp function), or too many arrays written
 in one loop (the general backward's per-channel loop). The RGB backward also gives pruning's removal columns

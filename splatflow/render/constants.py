@@ -6,6 +6,10 @@ keeps the oracle, the projection and the kernels from drifting apart.
 
 from __future__ import annotations
 
+# the SH basis constants, defined in splatflow.sh (outside this package, so the file formats and the viewer read
+# them without loading the rasterizer) and part of the rendering model's constants here
+from splatflow.sh import SH_C0, SH_C1, SH_C2, SH_C3  # noqa: F401
+
 TILE = 16
 """Side of a screen tile in pixels (tile binning and compositing work tile by tile)."""
 
@@ -22,18 +26,3 @@ T_MIN = 1e-4
 
 EXTEND_MAX = 3.33
 """Largest screen-space radius in standard deviations (the opacity-aware radius is capped here)."""
-
-# Real spherical-harmonics normalisation constants, bands 0-3, in the sign convention of the 3DGS reference
-# code and gsplat (basis 1 is -C1*y, basis 2 is C1*z, basis 3 is -C1*x).
-SH_C0 = 0.28209479177387814
-SH_C1 = 0.4886025119029199
-SH_C2 = (1.0925484305920792, -1.0925484305920792, 0.31539156525252005, -1.0925484305920792, 0.5462742152960396)
-SH_C3 = (
-    -0.5900435899266435,
-    2.890611442640554,
-    -0.4570457994644658,
-    0.3731763325901154,
-    -0.4570457994644658,
-    1.445305721320277,
-    -0.5900435899266435,
-)

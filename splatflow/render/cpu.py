@@ -14,9 +14,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from . import _kernels as K
+from . import _kernels as K, _proj_kernels as P
 from .constants import TILE
-from .projection import tile_grid
+from .projection import camera_centers, tile_grid
 
 
 def _np(t: Tensor, dtype: torch.dtype | None = None) -> np.ndarray:
@@ -158,9 +158,6 @@ class _ProjectCPU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, means, quats, scales, opacities, sh0, shN, viewmats, Ks, width, height, near_plane, far_plane,
                 eps2d, antialiased, radius_clip, sh_degree, window):
-        from . import _proj_kernels as P
-        from .projection import camera_centers
-
         dt = means.dtype
         N = means.shape[0]
         vm = _np(viewmats, torch.float64)
@@ -188,8 +185,6 @@ class _ProjectCPU(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, v_m2, v_con, v_dep, v_op, v_col, _v_radii):
-        from . import _proj_kernels as P
-
         args = ctx.args
         eps2d, antialiased, radii = ctx.extra
         dt = ctx.dtype

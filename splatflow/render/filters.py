@@ -22,6 +22,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from . import _filter_kernels as K
+
 WINDOW = 11
 SIGMA = 1.5
 MIN_CHUNK_ROWS = 24  # a parallel work item is at least this many rows (or the whole plane)
@@ -39,8 +41,6 @@ def band_matrix(n: int, taps: np.ndarray, mode: str, transpose: bool = False):
     ``(band [n, L], start [n] int64, lo, hi)`` with ``out[j] = sum_k band[j, k] in[start[j] + k]``, rows
     ``[lo, hi)`` being the plain stencil. ``mode`` is ``"zero"`` or ``"reflect"`` (needs ``r <= n - 1``, as
     ``F.pad``); ``transpose`` gives the adjoint (the backward pass)."""
-    from . import _filter_kernels as K
-
     r = (len(taps) - 1) // 2
     if mode not in ("zero", "reflect"):
         raise ValueError(f"mode must be 'zero' or 'reflect', got {mode!r}")
@@ -146,8 +146,6 @@ def _ssim_kernel(xn: np.ndarray, yn: np.ndarray, want_x: bool, want_y: bool, wan
                  blur: tuple[float, int] | None = None):
     """:func:`._filter_kernels.ssim_fused` on ``[P, H, W]`` planes (any layout) with the SSIM window; with
     ``blur = (sigma_px, radius)`` of both images blurred by the training blur on the way in."""
-    from . import _filter_kernels as K
-
     H = xn.shape[1]
     dt = str(xn.dtype)
     bh, sh, lo, hi = _bands(H, WINDOW // 2, SIGMA, "zero", False, dt)
@@ -165,8 +163,6 @@ def _blur_kernel(a: np.ndarray, b: np.ndarray | None, sigma_px: float, radius: i
     """:func:`._filter_kernels.separable_filter` with the training blur (or its transpose) on ``[P, H, W]``
     planes ``a`` and ``b`` (``None``: none; either may be a strided view); ``sgn, ga, gb``: the loss gradient
     ``ga * a + gb * sgn`` formed on the way in; ``hwc_out``: the blurred ``a`` laid out ``[H, W, P]``."""
-    from . import _filter_kernels as K
-
     P, H, W = a.shape
     dt = str(a.dtype)
     empty = np.empty((0, H, W), dtype=dt)
@@ -217,8 +213,6 @@ class SSIMCPU(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, g_ssim: Tensor, g_l1: Tensor):
-        from . import _filter_kernels as K
-
         if not ctx.with_grad:
             raise _no_grad_pass("SSIMCPU", "splatflow.render.ssim.ssim")
         gx, gy, sgn = ctx.arrays

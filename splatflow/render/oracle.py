@@ -24,12 +24,14 @@ from .projection import tile_grid
 
 
 def tile_lists(means2d: Tensor, radii: Tensor, depths: Tensor, width: int, height: int) -> tuple[Tensor, Tensor]:
-    """Gaussian lists per tile, depth sorted (gsplat's ``isect_tiles`` + ``isect_offset_encode``).
+    """Gaussian lists per tile, depth sorted (gsplat's ``isect_tiles`` + ``isect_offset_encode``), on the inputs'
+    device (the torch removal score, :mod:`splatflow.render.score_torch`, uses them on a GPU).
 
     Inputs are one camera's [N, 2], [N, 2] int, [N]. A Gaussian is listed in every tile its radius rectangle
-    ``[mean - r, mean + r]`` touches. Returns ``offsets`` [n_tiles + 1] and ``ids`` [M] (Gaussian indices,
-    sorted by (tile, depth, index)).
+    ``[mean - r, mean + r]`` touches (a superset of where its alpha reaches 1/255). Returns ``offsets``
+    [n_tiles + 1] and ``ids`` [M] (Gaussian indices, sorted by (tile, depth, index)).
     """
+    dev = means2d.device
     tw, th = tile_grid(width, height, TILE)
     N = means2d.shape[0]
     m = means2d.detach()
@@ -42,17 +44,15 @@ def tile_lists(means2d: Tensor, radii: Tensor, depths: Tensor, width: int, heigh
     nx = torch.where(vis, x1 - x0, 0)
     ny = torch.where(vis, y1 - y0, 0)
     count = nx * ny  # [N]
-    gid = torch.repeat_interleave(torch.arange(N), count)  # [M]
+    gid = torch.repeat_interleave(torch.arange(N, device=dev), count)  # [M]
     start = torch.cumsum(count, 0) - count
-    local = torch.arange(gid.numel()) - start[gid]  # index within the Gaussian's rectangle
-    tx = x0[gid] + local % nx[gid].clamp(min=1)
-    ty = y0[gid] + local // nx[gid].clamp(min=1)
-    tile = ty * tw + tx  # [M]
-    rank = torch.empty(N, dtype=torch.long)
-    rank[torch.sort(depths.detach(), stable=True).indices] = torch.arange(N)
-    order = torch.argsort(tile * N + rank[gid])
-    ids = gid[order]
-    offsets = torch.zeros(tw * th + 1, dtype=torch.long)
+    local = torch.arange(gid.numel(), device=dev) - start[gid]  # index within the Gaussian's rectangle
+    nxg = nx[gid].clamp(min=1)
+    tile = (y0[gid] + local // nxg) * tw + x0[gid] + local % nxg  # [M]
+    rank = torch.empty(N, dtype=torch.long, device=dev)
+    rank[torch.sort(depths.detach(), stable=True).indices] = torch.arange(N, device=dev)
+    ids = gid[torch.argsort(tile * N + rank[gid])]
+    offsets = torch.zeros(tw * th + 1, dtype=torch.long, device=dev)
     offsets[1:] = torch.cumsum(torch.bincount(tile, minlength=tw * th), 0)
     return offsets, ids
 

@@ -23,18 +23,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-WINDOW = 11
-SIGMA = 1.5
-C1 = 0.01**2
-C2 = 0.03**2
+# the module, not its functions: the CPU kernels are looked up at the call (tests replace them to prove a path)
+from splatflow.render import filters
+from splatflow.render import ssim_triton
+from splatflow.render.blur import gaussian_blur_pair
+from splatflow.render.ssim_window import C1, C2, SIGMA, WINDOW, gaussian_window_1d  # noqa: F401 (re-exported)
 
-
-def gaussian_window_1d(size: int = WINDOW, sigma: float = SIGMA, dtype: torch.dtype = torch.float32,
-                       device: torch.device | str = "cpu") -> Tensor:
-    """Normalised 1-D Gaussian taps [size] (the 3DGS ``gaussian(window_size, 1.5)``) on ``device``."""
-    x = torch.arange(size, dtype=torch.float64, device=device) - size // 2
-    g = torch.exp(-(x * x) / (2.0 * sigma * sigma))
-    return (g / g.sum()).to(dtype)
 
 
 def _blur(x: Tensor) -> Tensor:
@@ -95,9 +89,7 @@ def ssim(x: Tensor, y: Tensor) -> Tensor:
     if y.dtype != x.dtype:
         y = y.to(x.dtype)
     if x.device.type == "cpu" and y.device.type == "cpu":
-        from .filters import ssim_cpu
-
-        return ssim_cpu(x, y)  # (the kernels read any layout)
+        return filters.ssim_cpu(x, y)  # (the kernels read any layout)
     return _SSIM.apply(x.contiguous(), y.contiguous())
 
 
@@ -108,7 +100,8 @@ def l1_ssim(x: Tensor, y: Tensor, blur_sigma: float = 0.0) -> tuple[Tensor, Tens
     """``(mean |x - y|, mean SSIM)`` of two ``[B, C, H, W]`` batches, both differentiable: the two terms of the
     training loss. With ``blur_sigma`` (px) both images are first blurred by the training blur (see
     :func:`splatflow.render.blur.gaussian_blur`). On CPU tensors the kernels compute blur, both terms and
-    their gradients in two passes forward and one backward; elsewhere torch ops."""
+    their gradients in two passes forward and one backward; on a GPU with Triton the kernels of
+    :mod:`.ssim_triton` (the target without a gradient); elsewhere torch ops."""
     if x.shape != y.shape or x.dim() != 4:
         raise ValueError(f"l1_ssim needs two [B, C, H, W] tensors of one shape, got {tuple(x.shape)} and "
                          f"{tuple(y.shape)}")
@@ -116,16 +109,14 @@ def l1_ssim(x: Tensor, y: Tensor, blur_sigma: float = 0.0) -> tuple[Tensor, Tens
         y = y.to(x.dtype)
     blur = blur_sigma >= BLUR_MIN_SIGMA
     if x.device.type == "cpu" and y.device.type == "cpu":
-        from .filters import blurred_l1_ssim_cpu, ssim_l1_cpu
-
         # the kernels read the images where they lie (the training step's [H, W, 3] render and target seen as
         # [1, 3, H, W]) and hand the gradient back in the render's layout: no copy either way
-        s, l1 = (blurred_l1_ssim_cpu(x, y, blur_sigma) if blur else ssim_l1_cpu(x, y))
+        s, l1 = (filters.blurred_l1_ssim_cpu(x, y, blur_sigma) if blur else filters.ssim_l1_cpu(x, y))
         return l1, s
     if blur:  # the torch blur for other devices lives with the schedule that drives it
-        from splatflow.render.blur import gaussian_blur_pair
-
         x, y = gaussian_blur_pair(x, y, blur_sigma)
+    if ssim_triton.available(x.device) and x.dtype == torch.float32 and not y.requires_grad:
+        return ssim_triton.fused_l1_ssim(x, y)  # a GPU with Triton: six launches instead of some forty
     return (x - y).abs().mean(), _SSIM.apply(x.contiguous(), y.contiguous())
 
 

@@ -11,7 +11,8 @@ count, because starting the second runtime can reset the first one's notion of h
 from __future__ import annotations
 
 import os
-import time
+
+from ._kernels import touch_pool
 
 _configured: int | None = None
 
@@ -48,7 +49,7 @@ def keep_freed_memory(mmap_threshold_mb: int = 64, trim_threshold_mb: int = 256)
     blocks above its mmap threshold with fresh ``mmap`` calls and unmaps them on free, so each step page-faults
     its buffers in again: 170-1,700 faults and 1-4 ms of system CPU per step at 490x273 (bench/train_step.py
     prints both). Serving blocks up to ``mmap_threshold_mb`` from the heap and keeping up to ``trim_threshold_mb``
-    of freed heap took the step from 23.0-23.7 to 21.0-21.2 ms and the faults to ~60 (bench/RESULTS.md). The
+    of freed heap took the step from 23.0-23.7 to 21.0-21.2 ms and the faults to ~60 (docs/experiments.md). The
     same as setting ``MALLOC_MMAP_THRESHOLD_``/``MALLOC_TRIM_THRESHOLD_`` before the process starts; a no-op
     (returns False) where the C library is not glibc.
     """
@@ -71,34 +72,4 @@ def _start_numba_pool() -> None:
     """Run a trivial parallel kernel so numba's threading layer is loaded now, not mid-training."""
     import numpy as np
 
-    from ._kernels import touch_pool
-
     touch_pool(np.zeros(64, dtype=np.float32))
-
-
-def warmup() -> float:
-    """Load (or, first time, compile) every CPU-backend kernel on a tiny scene; return the seconds it took.
-
-    The first call after a code change compiles the numba kernels (about a minute of CPU); later processes load
-    them from numba's on-disk cache (``cache=True``) in about a second. ``bench/rasterize.py`` reports both.
-    """
-    import torch
-
-    from . import rasterize
-
-    t0 = time.perf_counter()
-    for dtype in (torch.float32,):
-        g = torch.Generator().manual_seed(0)
-        N = 8
-        means = (torch.randn(N, 3, generator=g, dtype=dtype, device="cpu") * 0.3).requires_grad_()
-        quats = torch.randn(N, 4, generator=g, dtype=dtype, device="cpu").requires_grad_()
-        scales = torch.full((N, 3), 0.1, dtype=dtype, device="cpu").requires_grad_()
-        opac = torch.full((N,), 0.5, dtype=dtype, device="cpu").requires_grad_()
-        sh = torch.randn(N, 16, 3, generator=g, dtype=dtype, device="cpu").mul(0.1).requires_grad_()
-        view = torch.eye(4, dtype=dtype, device="cpu")[None].clone()
-        view[0, 2, 3] = 3.0
-        K = torch.tensor([[[40.0, 0, 16], [0, 40.0, 16], [0, 0, 1]]], dtype=dtype, device="cpu")
-        img, alpha, info = rasterize(means, quats, scales, opac, sh, view, K, 32, 32, sh_degree=3,
-                                     backend="cpu", render_mode="RGB+ED", return_stats=True, absgrad=True)
-        (img.sum() + alpha.sum()).backward()
-    return time.perf_counter() - t0

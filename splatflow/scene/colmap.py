@@ -28,12 +28,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from splatflow.config import IngestConfig, SfmConfig
+from splatflow.config import BaseConfig, IngestConfig, SfmConfig
 from splatflow.errors import UserError
+from splatflow.scene.groundtruth import read_ground_truth
+from splatflow.scene.ingest import _Reject, _save, open_image, output_names
 from splatflow.scene.notes import write_empty_note
+from splatflow.scene.schemas import validate_reconstruction
+from splatflow.scene.sfm import SfmResult, _replace_dir, camera_summary, list_images, model_metrics, undistort_model
 
 __all__ = ["LEVELS", "find_model", "is_colmap_dataset", "level_dir", "output_name_map", "copy_levels",
-           "empty_levels", "import_model", "check_model_files"]
+           "empty_levels", "import_model", "check_model_files", "partial_model", "incomplete_model_message"]
 
 LEVELS = (2, 4, 8)  # the downscale levels of the Inria / Mip-NeRF 360 layout
 MODEL_CANDIDATES = ("sparse/0", "sparse")
@@ -42,6 +46,37 @@ MODEL_CANDIDATES = ("sparse/0", "sparse")
 def _has_model(d: Path) -> bool:
     return d.is_dir() and all((d / f"{n}.bin").exists() or (d / f"{n}.txt").exists()
                               for n in ("cameras", "images", "points3D"))
+
+
+def _missing_files(d: Path) -> list[str]:
+    """The model files (``cameras``, ``images``, ``points3D``) that ``d`` has neither as .bin nor as .txt."""
+    return [n for n in MODEL_FILES if not ((d / f"{n}.bin").exists() or (d / f"{n}.txt").exists())]
+
+
+def partial_model(root: str | Path) -> tuple[Path, list[str]] | None:
+    """A model folder of the dataset at ``root`` that holds some model files but not all: (folder, missing)."""
+    for rel in MODEL_CANDIDATES:
+        d = Path(root) / rel
+        if d.is_dir():
+            missing = _missing_files(d)
+            if missing and len(missing) < len(MODEL_FILES):
+                return d, missing
+    return None
+
+
+def incomplete_model_message(d: Path, missing: list[str], images: Path | None = None) -> str:
+    """What a model folder lacks, and the fix: a model exported without its points (the usual case) cannot start
+    training, which begins from the model's 3D points."""
+    present = [n for n in MODEL_FILES if n not in missing]
+    sfm = (f"give {images} to `splatflow add-scene` to run SfM on the images" if images is not None
+           else "drop base.scenes.<scene>.colmap so the sfm stage runs SfM on the images")
+    if missing == ["points3D"]:
+        fix = ("training starts from the model's 3D points: re-export the model with its points (COLMAP: File > "
+               "Export model; for a poses-only model, `colmap point_triangulator` makes them), or " + sfm)
+    else:
+        fix = f"copy the missing file{'s' * (len(missing) > 1)} from the COLMAP project, or {sfm}"
+    return (f"{d}: the COLMAP model has {' and '.join(present)} but no {' or '.join(missing)} (.bin or .txt); "
+            f"{fix}")
 
 
 def find_model(root: str | Path) -> str | None:
@@ -63,6 +98,8 @@ def model_dir(source: Path, colmap: str) -> Path:
     """``base.scenes.S.colmap`` resolved against the dataset root ``source``; UserError when it holds no model."""
     p = Path(colmap).expanduser()
     p = p if p.is_absolute() else source / p
+    if p.is_dir() and 0 < len(_missing_files(p)) < len(MODEL_FILES):
+        raise UserError(incomplete_model_message(p, _missing_files(p)))
     if not _has_model(p):
         found = find_model(source) if source.is_dir() else None
         hint = f" (this dataset has one in {found})" if found else ""
@@ -87,6 +124,11 @@ def _model_files(model_path: Path) -> list[Path]:
     return [f for n in MODEL_FILES for f in (model_path / f"{n}.bin", model_path / f"{n}.txt") if f.is_file()]
 
 
+def _model_file(model_path: Path, name: str) -> Path:
+    """The file of ``name`` (``cameras``, ...) that pycolmap reads in ``model_path``."""
+    return next((f for f in _model_files(model_path) if f.stem == name), model_path / f"{name}.bin")
+
+
 def _camera_param_counts() -> dict[int, int]:
     """COLMAP camera model id -> number of parameters, from the installed pycolmap (it knows every model it reads)."""
     import pycolmap
@@ -96,6 +138,42 @@ def _camera_param_counts() -> dict[int, int]:
         if int(m.value) >= 0:
             out[int(m.value)] = len(pycolmap.Camera.create_from_model_id(1, m, 1.0, 1, 1).params)
     return out
+
+
+def _camera_param_counts_by_name() -> dict[str, int]:
+    """COLMAP camera model name (``PINHOLE``, ...) -> number of parameters."""
+    import pycolmap
+
+    counts = _camera_param_counts()
+    return {name: counts[int(m.value)] for name, m in pycolmap.CameraModelId.__members__.items()
+            if int(m.value) in counts}
+
+
+def _cameras_txt_problem(path: Path) -> str | None:
+    """What makes a cameras.txt line fail COLMAP's camera check (``Check failed: camera.VerifyParams()``, naming
+    neither the file nor the camera): an unknown model, a parameter count the model does not have, a size that is
+    not a positive whole number."""
+    try:
+        counts = _camera_param_counts_by_name()
+    except Exception:  # noqa: BLE001 - an older pycolmap: leave the check to it
+        return None
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, 1):
+            words = line.split()
+            if not words or words[0].startswith("#"):
+                continue
+            head = f"line {lineno} (camera {words[0]})"
+            if len(words) < 4:
+                return f"{head} has {len(words)} fields; a camera line is CAMERA_ID MODEL WIDTH HEIGHT PARAMS..."
+            model = words[1]
+            if model not in counts:
+                return f"{head}: {model!r} is no COLMAP camera model (known: {', '.join(sorted(counts))})"
+            if not (words[2].isdigit() and words[3].isdigit() and int(words[2]) > 0 and int(words[3]) > 0):
+                return f"{head}: the size {words[2]}x{words[3]} is not two positive whole numbers of pixels"
+            n = len(words) - 4
+            if n != counts[model]:
+                return f"{head}: {model} takes {counts[model]} parameters, the line has {n}"
+    return None
 
 
 def _u64(f, what: str) -> int:
@@ -197,6 +275,8 @@ def check_model_files(model_path: Path) -> None:
             problem = "the file is empty (0 bytes)"
         elif f.suffix == ".bin":
             problem = _bin_problem(f, size)
+        elif f.name == "cameras.txt":
+            problem = _cameras_txt_problem(f)
         else:
             problem = None
         if problem:
@@ -211,8 +291,6 @@ def level_dir(data_dir: Path, n: int) -> Path:
 
 def output_name_map(source_images: Path, image_format: str) -> dict[str, str]:
     """Source file name -> the name ingest gives it in ``data/S/images`` (the same rule ingest applies)."""
-    from splatflow.scene.ingest import output_names
-
     files = [p.name for p in source_images.iterdir() if p.is_file() and not p.name.startswith(".")]
     return output_names(files, image_format)
 
@@ -251,8 +329,6 @@ def copy_levels(dataset_root: Path, kept: list[tuple[str, str, int, int]], data_
     Returns ``{"images_N": {"copied": k} | {"absent": True} | {"skipped": reason}}``.
     """
     from tqdm import tqdm
-
-    from splatflow.scene.ingest import _Reject, _save, open_image
 
     out: dict[str, dict] = {}
     for n in LEVELS:
@@ -314,8 +390,8 @@ def _say(msg: str) -> None:
 
 
 def import_model(model_path: Path, images_dir: Path, sparse_dir: Path, undistorted_dir: Path, cfg: SfmConfig, *,
-                 name_map: dict[str, str] | None = None, rejected: dict[str, str] | None = None, threads: int = 2,
-                 ground_truth: Path | None = None):
+                 name_map: dict[str, str] | None = None, rejected: dict[str, str] | None = None,
+                 threads: int = BaseConfig.threads, ground_truth: Path | None = None):
     """Import the COLMAP model at ``model_path`` for the images ingest wrote to ``images_dir`` (module docstring).
 
     ``name_map``: model image name -> ingest output name (:func:`output_name_map`); names not in it are used as
@@ -327,11 +403,6 @@ def import_model(model_path: Path, images_dir: Path, sparse_dir: Path, undistort
     import pycolmap
     from PIL import Image
 
-    from splatflow.scene.groundtruth import read_ground_truth
-    from splatflow.scene.schemas import validate_reconstruction
-    from splatflow.scene.sfm import (SfmResult, _replace_dir, camera_summary, list_images, model_metrics,
-                                     undistort_model)
-
     t0 = time.perf_counter()
     name_map, rejected = name_map or {}, rejected or {}
     truth = read_ground_truth(ground_truth) if ground_truth is not None else None
@@ -340,6 +411,7 @@ def import_model(model_path: Path, images_dir: Path, sparse_dir: Path, undistort
         rec = pycolmap.Reconstruction(str(model_path))
     except Exception as e:
         raise UserError(f"{model_path}: cannot read this COLMAP model ({e}); check the dataset is complete") from None
+    points_in_model = rec.num_points3D()
     bad = sorted({c.model_name for c in rec.cameras.values() if not c.is_perspective()})
     if bad:
         raise UserError(f"{model_path}: camera model {', '.join(bad)} cannot be undistorted to a pinhole camera "
@@ -386,8 +458,12 @@ def import_model(model_path: Path, images_dir: Path, sparse_dir: Path, undistort
                         f"Dropped: {examples}. Loosen the ingest checks that rejected them (ingest.json lists why) "
                         f"or fix those files")
     if rec.num_points3D() == 0:
-        raise UserError(f"{model_path}: the model has no 3D points left; training starts from the SfM points, so "
-                        f"an imported model needs its points3D")
+        if points_in_model == 0:  # a poses-only export: the file is there, with no point in it
+            raise UserError(f"{_model_file(model_path, 'points3D')}: the model has camera poses but no 3D points; "
+                            + incomplete_model_message(model_path, ["points3D"]).split("; ", 1)[1])
+        raise UserError(f"{model_path}: the model has no 3D points left after dropping the images above; training "
+                        f"starts from the SfM points: keep those images (loosen the ingest checks that rejected "
+                        f"them) or drop base.scenes.<scene>.colmap so the sfm stage runs SfM on the images")
     validate_reconstruction(rec, f"{model_path} (imported)")
     models = sorted({rec.cameras[im.camera_id].model_name for im in rec.images.values() if im.has_pose})
 

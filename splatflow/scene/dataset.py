@@ -43,11 +43,6 @@ class View:
     # the distorted SfM camera (pycolmap.Camera) the mask was drawn in, when the image was undistorted
     mask_camera: object | None = None
 
-    @property
-    def camera_center(self) -> np.ndarray:
-        """World position of the camera centre, ``-R^T t``."""
-        return -self.world_to_cam[:3, :3].T @ self.world_to_cam[:3, 3]
-
 
 @dataclass
 class SceneData:

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from splatflow.errors import UserError
+from splatflow.scene.cameras import camera_centers
 
 __all__ = ["GroundTruthCamera", "read_ground_truth", "umeyama", "CameraError", "camera_error"]
 
@@ -37,7 +38,7 @@ class GroundTruthCamera:
 
     @property
     def center(self) -> np.ndarray:
-        return -self.world_to_cam[:3, :3].T @ self.world_to_cam[:3, 3]
+        return camera_centers(self.world_to_cam)
 
 
 def _w2c(rot_cam_from_world: np.ndarray, t: np.ndarray) -> np.ndarray:
@@ -172,8 +173,8 @@ def camera_error(world_to_cams: dict[str, np.ndarray], truth: dict[str, GroundTr
     names = sorted(pairs)
     est_w2c = np.stack([world_to_cams[n] for n in names])  # [M, 4, 4]
     gt_w2c = np.stack([truth[pairs[n]].world_to_cam for n in names])  # [M, 4, 4]
-    est_c = -np.einsum("mji,mj->mi", est_w2c[:, :3, :3], est_w2c[:, :3, 3])  # [M, 3] = -R^T t
-    gt_c = -np.einsum("mji,mj->mi", gt_w2c[:, :3, :3], gt_w2c[:, :3, 3])
+    est_c = camera_centers(est_w2c)  # [M, 3]
+    gt_c = camera_centers(gt_w2c)  # [M, 3]
     s, R, t = umeyama(est_c, gt_c)
     aligned = s * est_c @ R.T + t  # [M, 3]
     extent = float(np.max(np.linalg.norm(gt_c[:, None] - gt_c[None], axis=-1)))

@@ -89,15 +89,6 @@ def correlation(a: np.ndarray, b: np.ndarray) -> float:
     return float((a * b).sum())
 
 
-def dhash(gray: np.ndarray) -> np.ndarray:
-    """64-bit difference hash (Krawetz 2011): sign of horizontal gradients on a 9x8 thumbnail, [64] bool.
-
-    Cheaper and cruder than pHash; kept as a second opinion for tests and diagnostics.
-    """
-    thumb = cv2.resize(gray.astype(np.float32), (HASH_SIDE + 1, HASH_SIDE), interpolation=cv2.INTER_AREA)  # [8, 9]
-    return (thumb[:, 1:] > thumb[:, :-1]).reshape(-1)
-
-
 def hamming(a: np.ndarray, b: np.ndarray) -> int:
     """Number of differing bits between two bool hashes of the same length."""
     return int(np.count_nonzero(a != b))

@@ -14,36 +14,14 @@ downsampled camera sees exactly the downsampled image (COLMAP's continuous pixel
 from __future__ import annotations
 
 from collections import OrderedDict
-from pathlib import Path
 
 import cv2
 import numpy as np
 import torch
 
-from splatflow.errors import UserError
-
-
-def level_size(width: int, height: int, factor: float) -> tuple[int, int]:
-    """Image size at resolution ``factor`` (at least 1 px)."""
-    return max(1, int(round(width * factor))), max(1, int(round(height * factor)))
-
-
-def scale_intrinsics(K: np.ndarray, width: int, height: int, new_width: int, new_height: int) -> np.ndarray:
-    """``K [3, 3]`` of a ``width x height`` camera rescaled to ``new_width x new_height``."""
-    sx, sy = new_width / width, new_height / height
-    K2 = np.array(K, dtype=np.float64, copy=True)
-    K2[0, :] *= sx  # fx, skew, cx
-    K2[1, :] *= sy  # fy, cy
-    return K2
-
-
-def read_rgb(path: str | Path) -> np.ndarray:
-    """``[H, W, 3]`` uint8 RGB; UserError naming the file if it cannot be decoded."""
-    img = cv2.imread(str(path), cv2.IMREAD_COLOR)
-    if img is None:
-        raise UserError(f"{path}: cannot read this training image; check the file exists and is a valid "
-                        "image, then rerun the sfm stage (it writes data/<scene>/undistorted/images)")
-    return cv2.cvtColor(img, cv2.COLOR_BGR2RGB)
+from splatflow.scene.cameras import level_size, scale_intrinsics
+from splatflow.scene.masks import read_view_mask
+from splatflow.scene.resolution import read_view_rgb
 
 
 class ImageCache:
@@ -72,8 +50,6 @@ class ImageCache:
         v = self.views[i]
         full = self._cache.get((i, 1.0))
         if full is None:
-            from splatflow.scene.resolution import read_view_rgb
-
             # the view's working size (area-downscaled on decode when base.resolution asks for less than the file)
             full = read_view_rgb(v)
             self.decodes += 1
@@ -100,8 +76,6 @@ class ImageCache:
         key = (i, float(factor), "mask")
         arr = self._cache.get(key)
         if arr is None:
-            from splatflow.scene.masks import read_view_mask
-
             base = self._cache.get((i, 1.0, "mask"))
             if base is None:
                 base = read_view_mask(self.views[i]).astype(np.uint8)  # [H, W] 0/1
@@ -129,7 +103,12 @@ class ImageCache:
         arr = self._get_u8(i, factor)
         v = self.views[i]
         h, w = arr.shape[:2]
-        img = torch.from_numpy(_crop(arr, window)).to(device).float().mul_(1.0 / 255.0)  # [H, W, 3] or [h, w, 3]
+        src = torch.from_numpy(_crop(arr, window))
+        if torch.device(device).type == "cuda":
+            # from pinned memory (torch's caching host allocator) and asynchronous: a copy from pageable memory
+            # waits until the GPU has run everything queued, so the host could not prepare the next step meanwhile
+            src = src.contiguous().pin_memory().to(device, non_blocking=True)
+        img = src.to(device).float().mul_(1.0 / 255.0)  # [H, W, 3] or [h, w, 3]
         return img, scale_intrinsics(v.K, v.width, v.height, w, h)
 
 

@@ -57,12 +57,12 @@ from splatflow.config import IngestConfig
 from splatflow.errors import UserError
 from splatflow.scene.imagehash import (correlation, hamming_to_many, phash, resize_to_width, sharpness, thumbnail,
                                       to_gray_f32)
-from splatflow.scene.video import is_video_path, iter_sharpest_frames, probe
+from splatflow.scene.pixels import IMAGE_FILE_SUFFIXES  # noqa: F401 - also part of this module's interface
+from splatflow.scene.video import check_video_source, iter_sharpest_frames, probe
 
 #: Joins the folder and the file stem in a flat output name (``cam_a/0001.jpg`` -> ``cam_a__0001.jpg``).
 FOLDER_SEP = "__"
 #: File suffixes that count as a source's own images when ``auto`` decides whether to read its sub-folders.
-IMAGE_FILE_SUFFIXES = {".jpg", ".jpeg", ".png", ".tif", ".tiff", ".bmp", ".webp", ".heic", ".heif"}
 MIN_USABLE_IMAGES = 3  # fewer cannot make a two-view model plus one image to register against it
 #: What a capture that reconstructs well usually looks like, for the messages about captures that are too small.
 TYPICAL_CAPTURE = ("20 to 200 photos taken a step apart while walking around the subject, each overlapping its "
@@ -280,11 +280,8 @@ def _check_locations(source: Path, out_dir: Path) -> None:
             f"{source}: the scene source does not exist. Point base.scenes.<scene>.source in params.yaml at a "
             f"folder of images or a video file (paths are relative to the project root)."
         )
-    if source.is_file() and not is_video_path(source):
-        raise UserError(
-            f"{source}: a scene source must be a folder of images or a video file "
-            f"(.mp4, .mov, .avi, .mkv, ...); put single images in a folder and use the folder."
-        )
+    if source.is_file():
+        check_video_source(source)  # the same test as add-scene's: open it and decode a frame
     src, out = source.resolve(), out_dir.resolve()
     if src == out or src in out.parents or out in src.parents:
         raise UserError(

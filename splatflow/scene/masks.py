@@ -21,6 +21,8 @@ import cv2
 import numpy as np
 
 from splatflow.errors import UserError
+from splatflow.scene.cameras import scale_intrinsics
+from splatflow.scene.dataset import find_model_dir
 
 __all__ = ["MASK_SUFFIXES", "find_mask", "ingest_masks", "attach_masks", "read_view_mask"]
 
@@ -123,8 +125,6 @@ def attach_masks(scene, masks_dir: str | Path, sparse_dir: str | Path | None = N
     """
     import pycolmap
 
-    from splatflow.scene.dataset import find_model_dir
-
     masks_dir = Path(masks_dir)
     cams = {}
     if sparse_dir is not None and Path(sparse_dir).exists():
@@ -169,8 +169,6 @@ def read_view_mask(view) -> np.ndarray | None:
     if cam is not None:  # into the undistorted full-size frame first
         src = getattr(view, "source_size", None)
         fw, fh = (int(src[0]), int(src[1])) if src is not None else (w, h)
-        from splatflow.scene.images import scale_intrinsics
-
         if m.shape != (int(cam.height), int(cam.width)):
             raise UserError(f"{path}: mask is {m.shape[1]}x{m.shape[0]} but the SfM camera of {view.name} is "
                             f"{cam.width}x{cam.height}; rerun the ingest stage")

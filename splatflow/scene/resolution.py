@@ -16,7 +16,7 @@ the sfm stage into views at the configured size (:class:`splatflow.config.Resolu
 
 Area downscaling is ``cv2.INTER_AREA`` on the 8-bit image (each output pixel the mean of the input pixels it
 covers, rounded to 8 bits, as a stored ``images_N`` file would be) and the intrinsics are scaled by the same
-per-axis ratios (:func:`splatflow.scene.images.scale_intrinsics`), so the smaller camera sees exactly the smaller
+per-axis ratios (:func:`splatflow.scene.cameras.scale_intrinsics`), so the smaller camera sees exactly the smaller
 image. The full-size file is decoded only when a view is needed and dropped after resizing
 (:func:`read_view_rgb`), so memory holds only images at the working size.
 """
@@ -32,7 +32,11 @@ import numpy as np
 
 from splatflow.config import ResolutionConfig
 from splatflow.errors import UserError
+from splatflow.scene.cameras import scale_intrinsics
+from splatflow.scene.dataset import find_model_dir, load_scene
+from splatflow.scene.masks import attach_masks
 from splatflow.scene.notes import folder_files
+from splatflow.scene.pixels import read_rgb
 
 __all__ = ["target_size", "apply_resolution", "read_view_rgb", "LEVELS"]
 
@@ -75,8 +79,6 @@ def _image_size(path: Path) -> tuple[int, int] | None:
 def _needed_no_undistortion(sparse_dir: Path | None, undistorted_model: Path) -> tuple[bool, str]:
     """Whether the sfm stage's undistortion left every camera unchanged (so ``images_N`` files match it)."""
     import pycolmap
-
-    from splatflow.scene.dataset import find_model_dir
 
     if sparse_dir is None or not Path(sparse_dir).exists():
         return False, "no distorted SfM model to compare with"
@@ -130,8 +132,6 @@ def apply_resolution(scene, cfg: ResolutionConfig, *, data_dir: str | Path | Non
     (without them an ``images_N`` level is not used). ``info`` is JSON-ready: ``rule``, ``image_source``,
     ``reason``, ``sizes`` and ``full_sizes``.
     """
-    from splatflow.scene.images import scale_intrinsics
-
     views = list(scene.views)
     full_sizes = sorted({f"{v.width}x{v.height}" for v in views})
     files, why_level = None, None
@@ -177,8 +177,6 @@ def read_view_rgb(view) -> np.ndarray:
     """``[H, W, 3]`` uint8 RGB of ``view`` at its working size: decoded, and area-downscaled when the file is
     the larger ``view.source_size`` (the full-size array is dropped at once). UserError naming the file when it
     cannot be decoded or has neither size."""
-    from splatflow.scene.images import read_rgb
-
     img = read_rgb(view.image_path)
     h, w = img.shape[:2]
     if (w, h) == (view.width, view.height):
@@ -195,9 +193,6 @@ def load_working_scene(params, paths, *, with_split: bool = True):
     """``(scene, info)`` as train, prune and evaluate use it: the sfm stage's undistorted model with the split,
     at the scene's working size (``base.scenes.S.resolution`` or ``base.resolution``), with its masks when
     ``base.scenes.S.masks`` is set. ``info`` (:func:`apply_resolution`) goes into the stage's metrics."""
-    from splatflow.scene.dataset import load_scene
-    from splatflow.scene.masks import attach_masks
-
     scene = load_scene(paths.undistorted_dir, paths.split_json if with_split else None)
     scene, info = apply_resolution(scene, params.base.scene_resolution(paths.scene), data_dir=paths.data_dir,
                                    sparse_dir=paths.sparse_dir, undistorted_model=paths.undistorted_dir)

@@ -19,6 +19,7 @@ import numpy as np
 
 from splatflow.config import SplitConfig
 from splatflow.errors import UserError
+from splatflow.scene.dataset import load_scene
 
 __all__ = ["split_names", "registered_names", "write_split"]
 
@@ -78,8 +79,6 @@ def _named(ordered: list[str], wanted: tuple[str, ...]) -> list[str]:
 
 def registered_names(undistorted_dir: str | Path) -> list[str]:
     """Names of the registered images of the undistorted model (what training and evaluation can use)."""
-    from splatflow.scene.dataset import load_scene
-
     return [v.name for v in load_scene(undistorted_dir).views]
 
 

@@ -24,7 +24,10 @@ from tqdm import tqdm
 
 from splatflow.errors import UserError
 from splatflow.scene.imagehash import sharpness
+from splatflow.scene.pixels import IMAGE_FILE_SUFFIXES
 
+#: Video containers known by suffix: named in messages and used to word them; whether a file is a usable video is
+#: decided by opening it (:func:`check_video_source`).
 VIDEO_SUFFIXES = frozenset(
     {".mp4", ".m4v", ".mov", ".avi", ".mkv", ".webm", ".mpg", ".mpeg", ".wmv", ".flv", ".mts", ".m2ts", ".ts",
      ".3gp", ".ogv"}
@@ -47,8 +50,33 @@ class VideoFrame:
         return cv2.cvtColor(self.bgr, cv2.COLOR_BGR2RGB)  # [H, W, 3]
 
 
-def is_video_path(path: Path) -> bool:
-    return path.is_file() and path.suffix.lower() in VIDEO_SUFFIXES
+def check_video_source(path: Path) -> dict:
+    """Decide whether the file ``path`` is a video a scene can use, by opening it and decoding its first frame, as
+    ingest will; return :func:`probe`'s record. The one test behind ``add-scene`` and ingest, so neither refuses a
+    file the other reads: the suffix only picks the message (a camera's ``.MTS``, an unusual container that OpenCV's
+    FFmpeg opens, is taken; a ``.mp4`` OpenCV cannot decode is refused with the re-encode fix).
+
+    Raises UserError naming the file and the fix: a single photo (put photos in a folder), a file OpenCV cannot
+    open (listing the video formats known by suffix), or a video of 0 decodable frames (AV1, a damaged file)."""
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix in IMAGE_FILE_SUFFIXES:
+        raise UserError(f"{path}: a scene source must be a folder of images or a video file; this is a single image: "
+                        f"put the photos in a folder and give the folder")
+    cap = cv2.VideoCapture(str(path))
+    try:
+        if not cap.isOpened():
+            if suffix in VIDEO_SUFFIXES:
+                _open(path)  # raises the message for a video OpenCV cannot open
+            raise UserError(f"{path}: not a video OpenCV can open (video formats: "
+                            f"{', '.join(sorted(VIDEO_SUFFIXES))}), nor a folder; give a folder of images or a video "
+                            f"file")
+        codec = fourcc_string(cap)
+        if not cap.grab():
+            raise UserError(_no_frames_message(path, codec))
+    finally:
+        cap.release()
+    return probe(path)
 
 
 def fourcc_string(cap: cv2.VideoCapture) -> str:

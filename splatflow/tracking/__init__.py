@@ -34,7 +34,8 @@ The package, by concern (every public name is importable from ``splatflow.tracki
   the batched write (:func:`log_batch`).
 * :mod:`~splatflow.tracking.metadata` -- run metadata: provenance tags, params/metrics naming, artifact choice.
 * :mod:`~splatflow.tracking.runs` -- run discovery and reaping: the scene run of a ``dvc repro``, the runs a flow
-  owns (:func:`scene_run`, :func:`batch_run`), a scene's earlier finished run, :func:`reap`, :func:`compare`.
+  owns (:func:`scene_run`, :func:`batch_run`), a scene's earlier finished run, :func:`reap`.
+* :mod:`~splatflow.tracking.compare` -- runs side by side: run ids from what a user types, headline metrics first.
 * :mod:`~splatflow.tracking.stage` -- the stage tracker (:func:`stage_tracking`), this process's one SIGTERM
   owner through :mod:`splatflow.stop`.
 * :mod:`~splatflow.tracking.steps` -- live step metrics (:func:`step_logger`).
@@ -46,23 +47,27 @@ from splatflow.tracking.metadata import (ARTIFACT_DIR_NAMES, ARTIFACT_SUFFIXES, 
                                          artifact_files, backend_tags, device_tags, dvc_exp_tags, dvc_lock_tags,
                                          flatten_params, git_tags, log_files, log_train_plot, numeric_metrics,
                                          process_tags, scene_metrics, stage_files, stage_sections)
-from splatflow.tracking.runs import (STOPPED_EXCEPTIONS, SceneRun, batch_run, child_runs, compare, create_scene_run,
+from splatflow.tracking.compare import SHORT_ID, compare, curve_note, describe_run, resolve_run_ids, short_id
+from splatflow.tracking.runs import (STOPPED_EXCEPTIONS, SceneRun, batch_run, child_runs, create_scene_run,
                                      dvc_ancestor, finalize_scene_run, finished_scene_run, is_dvc_cmd, latest_runs,
                                      pid_alive, reap, scene_run, state_file, status_for)
-from splatflow.tracking.stage import StageTracker, log_stage, open_run, stage_tracking
+from splatflow.tracking.stage import StageTracker, log_stage, open_run, preflight, stage_tracking
 from splatflow.tracking.steps import STEP_FLUSH_ROWS, STEP_FLUSH_SECONDS, StepLogger, flush_all, step_logger
 from splatflow.tracking.store import (DEFAULT_EXPERIMENT, DEFAULT_UI_URL, EXPERIMENT_KIND, EXPERIMENT_KIND_TAG,
-                                      client, enabled, experiment_id, log_batch, repo_root, run_ui_url,
-                                      tracking_uri)
+                                      HEADLINE_METRICS, TrackingUnreachable, VIEW_KEY, VIEW_TAG, check_reachable,
+                                      client, enabled, experiment_id, experiment_ui_url, log_batch, repo_root,
+                                      run_ui_url, runs_view_state, store_problem, tracking_uri, ui_base_url)
 
 __all__ = [
     "ARTIFACT_DIR_NAMES", "ARTIFACT_SUFFIXES", "DEFAULT_EXPERIMENT", "DEFAULT_UI_URL", "EXPERIMENT_KIND",
-    "EXPERIMENT_KIND_TAG", "MAX_ARTIFACT_BYTES", "MAX_DIR_FILES", "STEP_FLUSH_ROWS", "STEP_FLUSH_SECONDS",
-    "STOPPED_EXCEPTIONS", "SceneRun", "StageTracker", "StepLogger", "artifact_files", "backend_tags", "batch_run",
-    "child_runs", "client", "compare", "create_scene_run", "device_tags", "dvc_ancestor", "dvc_exp_tags",
-    "dvc_lock_tags", "enabled", "experiment_id", "finalize_scene_run", "finished_scene_run", "flatten_params",
-    "flush_all", "git_tags", "is_dvc_cmd", "latest_runs", "log_batch", "log_files", "log_stage", "log_train_plot",
-    "numeric_metrics", "open_run", "pid_alive", "process_tags", "reap", "repo_root", "run_ui_url", "scene_metrics",
-    "scene_run", "stage_files", "stage_sections", "stage_tracking", "state_file", "status_for", "step_logger",
-    "tracking_uri",
+    "EXPERIMENT_KIND_TAG", "HEADLINE_METRICS", "MAX_ARTIFACT_BYTES", "MAX_DIR_FILES", "SHORT_ID", "STEP_FLUSH_ROWS",
+    "STEP_FLUSH_SECONDS", "STOPPED_EXCEPTIONS", "SceneRun", "StageTracker", "StepLogger", "TrackingUnreachable",
+    "VIEW_KEY", "VIEW_TAG", "artifact_files", "backend_tags", "batch_run", "check_reachable", "child_runs", "client",
+    "compare", "create_scene_run", "curve_note", "describe_run", "device_tags", "dvc_ancestor", "dvc_exp_tags",
+    "dvc_lock_tags", "enabled", "experiment_id", "experiment_ui_url", "finalize_scene_run", "finished_scene_run",
+    "flatten_params", "flush_all", "git_tags", "is_dvc_cmd", "latest_runs", "log_batch", "log_files", "log_stage",
+    "log_train_plot", "numeric_metrics", "open_run", "pid_alive", "preflight", "process_tags", "reap", "repo_root",
+    "resolve_run_ids", "run_ui_url", "runs_view_state", "scene_metrics", "scene_run", "short_id", "stage_files",
+    "stage_sections", "stage_tracking", "state_file", "status_for", "step_logger", "store_problem", "tracking_uri",
+    "ui_base_url",
 ]

@@ -17,6 +17,10 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterable
 
+from splatflow.config import flatten, params_from_dict, section_dict
+from splatflow.orchestrate.plots import render_csv_png
+from splatflow.paths import ScenePaths
+
 #: not: they live in the DVC cache and would double the artifact store).
 ARTIFACT_SUFFIXES = {".ply", ".splat", ".spz", ".json", ".csv", ".png", ".jpg", ".jpeg", ".html", ".md", ".txt",
                      ".tsv", ".yaml"}
@@ -88,8 +92,6 @@ def dvc_exp_tags(root: Path, params: Any = None) -> dict[str, str]:
         with contextlib.suppress(Exception):  # best effort: the tag is information, not provenance
             import yaml
 
-            from splatflow.config import params_from_dict
-
             text = _git(root, "show", f"{base or 'HEAD'}:params.yaml")
             if text is not None:
                 before = flatten_params(params_from_dict(yaml.safe_load(text)))
@@ -135,8 +137,6 @@ def flatten_params(params: Any, sections: Iterable[str] | None = None) -> dict[s
 
     A section may be a dotted key (``base.seed``), as dvc.yaml allows.  Values are strings (MLflow params are).
     """
-    from splatflow.config import flatten, section_dict
-
     data = section_dict(params) if dataclasses.is_dataclass(params) else dict(params or {})
     flat = flatten(data)
     if sections is None:
@@ -206,8 +206,6 @@ def stage_files(root: Path, stage: str, scene: str) -> list[Path]:
 
 def artifact_files(root: Path, stage: str, scene: str) -> list[Path]:
     """Files worth keeping in MLflow from one stage: exports, renders, reports, metrics, plots (no checkpoints)."""
-    from splatflow.paths import ScenePaths
-
     paths = ScenePaths(scene, root)
     candidates = stage_files(root, stage, scene) or [paths.metrics_json(stage)]
     candidates.append(paths.metrics_json(stage))
@@ -243,8 +241,6 @@ def log_files(cl, run_id: str, root: Path, files: Iterable[Path]) -> int:
 
 def scene_metrics(root: Path, scene: str) -> dict[str, float]:
     """Every stage's current final metrics of ``scene`` (``metrics/<scene>/*.json``) as ``<stage>.<name>``."""
-    from splatflow.paths import ScenePaths
-
     mdir = ScenePaths(scene, root).metrics_dir
     out: dict[str, float] = {}
     for f in sorted(mdir.glob("*.json")) if mdir.exists() else []:
@@ -255,12 +251,9 @@ def scene_metrics(root: Path, scene: str) -> dict[str, float]:
 
 def log_train_plot(cl, run_id: str, root: Path, scene: str) -> None:
     """The training curves (``train.csv``) drawn as ``plots/<scene>/train.png`` in the run; best effort."""
-    from splatflow.paths import ScenePaths
-
     csv = ScenePaths(scene, root).train_csv
     if not csv.exists():
         return
-    from splatflow.orchestrate.plots import render_csv_png
 
     with tempfile.TemporaryDirectory() as tmp:
         try:

@@ -1,5 +1,6 @@
 """Run discovery and reaping: which MLflow run a stage logs into, the runs flows own (:func:`scene_run`,
-:func:`batch_run`), finding a scene's earlier finished run, and marking KILLED the runs whose owner died."""
+:func:`batch_run`), finding a scene's earlier finished run, and marking KILLED the runs whose owner died.
+Runs side by side: :mod:`splatflow.tracking.compare`."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from typing import Any, Iterable, Iterator
 
 from splatflow.tracking.metadata import (artifact_files, dvc_exp_tags, dvc_lock_tags, flatten_params, git_tags,
                                          log_files, log_train_plot, process_tags, scene_metrics)
-from splatflow.tracking.store import client, enabled, experiment_id, log_batch, run_ui_url, tracking_uri
+from splatflow.tracking.store import (check_reachable, client, enabled, experiment_id, log_batch, run_ui_url,
+                                      tracking_uri)
 
 
 def state_file(root: Path, scene: str) -> Path:
@@ -185,6 +187,7 @@ def scene_run(scene: str, root: str | Path, *, stages: Iterable[str] = (), param
     uri = uri or tracking_uri(root)
     run = SceneRun(scene, root, uri, stages=list(stages))
     if enabled():
+        check_reachable(uri)  # a dead server: stop in seconds, naming it, before any stage starts
         run.client = client(uri)
         run.run_id = create_scene_run(run.client, scene, root, params, uri=uri, parent_run_id=parent_run_id,
                                       run_name=run_name, tags=tags, seed_metrics=seed_metrics)
@@ -227,6 +230,7 @@ def batch_run(root: str | Path, *, name: str, tags: dict | None = None, params: 
     uri = uri or tracking_uri(root)
     run = SceneRun("", root, uri, finalize=False)
     if enabled():
+        check_reachable(uri)
         run.client = client(uri)
         exp = experiment_id(run.client, uri=uri)
         created = run.client.create_run(exp, run_name=name, tags={**(tags or {}), **process_tags()})
@@ -318,41 +322,6 @@ def reap(uri: str | None = None, *, older_than_hours: float | None = None, dry_r
                 cl.set_terminated(run.info.run_id, "KILLED")
             reaped.append({"run_id": run.info.run_id, "scene": t.get("splatflow.scene", ""), "reason": reason})
     return reaped
-
-
-def compare(run_ids: list[str], uri: str | None = None, *, all_params: bool = False):
-    """Side-by-side table of runs: the params that differ (all with ``all_params``) and every final metric.
-
-    Returns a ``pandas.DataFrame`` indexed by ``("param"|"metric"|"tag", key)`` with one column per run (named
-    by the run name and short id); missing values are NaN.  With exactly two runs a ``delta`` column holds
-    metric differences (second minus first).
-    """
-    import pandas as pd
-
-    cl = client(uri)
-    runs = [cl.get_run(r) for r in run_ids]
-    cols = [f"{r.info.run_name or ''} [{r.info.run_id[:8]}]" for r in runs]
-    rows: dict[tuple[str, str], list] = {}
-    for key in ("git.commit", "git.dirty", "splatflow.scene"):
-        rows[("tag", key)] = [r.data.tags.get(key) for r in runs]
-    rows[("tag", "status")] = [r.info.status for r in runs]
-    pkeys = sorted(set().union(*(r.data.params for r in runs)))
-    for k in pkeys:
-        vals = [r.data.params.get(k) for r in runs]
-        if all_params or len(set(vals)) > 1:
-            rows[("param", k)] = vals
-    mkeys = sorted(set().union(*(r.data.metrics for r in runs)))
-    for k in mkeys:
-        rows[("metric", k)] = [r.data.metrics.get(k) for r in runs]
-    df = pd.DataFrame.from_dict(rows, orient="index", columns=cols)
-    df.index = pd.MultiIndex.from_tuples(df.index, names=["kind", "key"])
-    if len(runs) == 2:
-        delta = []
-        for (kind, _), a, b in zip(df.index, df.iloc[:, 0], df.iloc[:, 1]):
-            ok = kind == "metric" and isinstance(a, (int, float)) and isinstance(b, (int, float))
-            delta.append(b - a if ok and not (pd.isna(a) or pd.isna(b)) else None)
-        df["delta"] = delta
-    return df
 
 
 def latest_runs(n: int = 2, uri: str | None = None, scene: str | None = None, status: str | None = "FINISHED"):

@@ -11,16 +11,18 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+from splatflow import stop
 from splatflow.tracking import steps
 from splatflow.tracking.metadata import (artifact_files, backend_tags, device_tags, dvc_lock_tags, flatten_params,
                                          log_files, log_train_plot, numeric_metrics, process_tags, stage_sections)
 from splatflow.tracking.runs import create_scene_run, dvc_ancestor, locked, state_file
-from splatflow.tracking.store import client, enabled, log_batch, repo_root, tracking_uri
+from splatflow.tracking.store import (check_reachable, client, enabled, log_batch, repo_root, run_ui_url,
+                                      store_problem, tracking_uri)
 
 class StageTracker:
     """What ``stage_main`` holds while a stage runs: the scene run, and whether this process owns its status."""
@@ -61,7 +63,8 @@ class StageTracker:
         try:
             return fn(*args, **kwargs)
         except Exception as e:  # noqa: BLE001
-            warnings.warn(f"splatflow tracking: {getattr(fn, '__name__', fn)} failed: {e}", stacklevel=2)
+            print(f"splatflow: tracking: {getattr(fn, '__name__', fn)} failed: {_first_line(e)}", file=sys.stderr,
+                  flush=True)
             return None
 
     def terminate(self, status: str) -> None:
@@ -107,6 +110,9 @@ def open_run(stage: str, scene: str, root: Path, params: Any) -> StageTracker:
             else:
                 run_id = create_scene_run(cl, scene, root, params, uri=uri,
                                           tags={"splatflow.started_by": "dvc" if anc else "stage"})
+                with contextlib.suppress(Exception):  # the link is a convenience; logging goes on without it
+                    url = run_ui_url(cl.get_run(run_id).info.experiment_id, run_id, uri)
+                    print(f"{scene}: MLflow run {run_id[:8]}, {url} (served by `splatflow ui`)", flush=True)
                 if anc is not None:
                     state.write_text(json.dumps({"run_id": run_id, "dvc_pid": anc[0], "dvc_start": anc[1],
                                                  "tracking_uri": uri, "created": time.time()}) + "\n")
@@ -123,8 +129,24 @@ def open_run(stage: str, scene: str, root: Path, params: Any) -> StageTracker:
     return tracker
 
 
+def preflight(root: Path) -> bool:
+    """Whether this stage can record: False with tracking off, or (said once per pipeline run) with a damaged
+    local database; raises :class:`~splatflow.tracking.store.TrackingUnreachable` (exit 2) for a tracking server
+    that does not answer, within :data:`~splatflow.tracking.store.REACH_TIMEOUT_S`."""
+    if not enabled():
+        return False
+    uri = tracking_uri(root)
+    check_reachable(uri)
+    problem = store_problem(uri)
+    if problem:
+        _say_once_per_run(root, problem)
+        return False
+    return True
+
+
 @contextlib.contextmanager
-def stage_tracking(stage: str, scene: str, params: Any = None, paths: Any = None) -> Iterator[StageTracker]:
+def stage_tracking(stage: str, scene: str, params: Any = None, paths: Any = None,
+                   record: bool = True) -> Iterator[StageTracker]:
     """Wrap one stage's work: attach to (or create) the scene run, log params, then on exit metrics,
     artifacts, provenance tags and the status (FINISHED / FAILED / KILLED on SIGTERM or Ctrl-C).
 
@@ -134,20 +156,26 @@ def stage_tracking(stage: str, scene: str, params: Any = None, paths: Any = None
             metrics = run(params, paths)
             tracker.log_result(metrics)
 
-    A failure to reach the tracking store is a warning, never a stage failure.
+    A tracking server that does not answer stops the stage before its work (exit 2, naming the URL and the fix);
+    any other failure of the store is one line on stderr, never a stage failure. ``record=False`` (the settings
+    stage, which runs in every repro) makes the same checks and opens no run.
     """
-    from splatflow import stop
-
     root = Path(getattr(paths, "root", None) or repo_root()).resolve()
     # This process's one SIGTERM owner (splatflow.stop), installed before anything that may take a while, so a
     # SIGTERM while the run is being opened is recorded too; opening is not interrupted half-way.
     prev_handler = stop.install()
     try:
+        # a dead server stops the stage in seconds (UserError, exit 2) before its work; not a cooperative block,
+        # so a SIGTERM during the wait stops the stage at once
+        on = preflight(root) and record
+    except BaseException:
+        stop.restore(prev_handler)
+        raise
+    try:
         with stop.cooperative():
-            tracker = open_run(stage, scene, root, params) if enabled() else StageTracker(stage, scene, root, params)
+            tracker = open_run(stage, scene, root, params) if on else StageTracker(stage, scene, root, params)
     except Exception as e:  # noqa: BLE001 - tracking must not stop the pipeline
-        warnings.warn(f"splatflow tracking disabled for this stage: cannot reach {tracking_uri(root)}: {e}",
-                      stacklevel=2)
+        _say_once_per_run(root, f"tracking is off for this stage: {tracking_uri(root)}: {_first_line(e)}")
         tracker = StageTracker(stage, scene, root, params)
     steps.set_active(tracker)
     try:
@@ -180,6 +208,29 @@ def stage_tracking(stage: str, scene: str, params: Any = None, paths: Any = None
         with stop.cooperative():
             steps.flush_all()
         stop.restore(prev_handler)
+
+
+def _first_line(e: BaseException, limit: int = 300) -> str:
+    """An error in one line: its type and first line (MLflow's store errors carry whole SQL statements)."""
+    text = (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}: {text[:limit]}" + ("..." if len(text) > limit else "")
+
+
+def _say_once_per_run(root: Path, message: str) -> None:
+    """Print ``message`` on stderr once per pipeline run: the first stage of a ``dvc repro`` says it, its later
+    stages (same dvc process) stay quiet; a stage run by hand always says it."""
+    anc = dvc_ancestor()
+    marker = root / ".splatflow" / "tracking-notice.json"
+    if anc is not None:
+        with contextlib.suppress(OSError, ValueError):
+            seen = json.loads(marker.read_text())
+            if seen.get("dvc_pid") == anc[0] and abs(seen.get("dvc_start", 0) - anc[1]) < 1e-2 \
+                    and seen.get("message") == message:
+                return
+        with contextlib.suppress(OSError):
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.write_text(json.dumps({"dvc_pid": anc[0], "dvc_start": anc[1], "message": message}) + "\n")
+    print(f"splatflow: {message}", file=sys.stderr, flush=True)
 
 
 def log_stage(scene: str, stage: str, params: Any = None, metrics: dict | None = None,

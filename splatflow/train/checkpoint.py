@@ -22,6 +22,7 @@ from splatflow.device import to_device
 from splatflow.errors import UserError
 from splatflow.model import SPLAT_KEYS, Checkpoint, Splats
 from splatflow.train.optim import adam
+from splatflow.train.sparse import SparseAdam
 
 log = logging.getLogger("splatflow.train")
 
@@ -97,8 +98,6 @@ def restore(tr, ckpt: Checkpoint | dict) -> None:
 def _restore_sparse(tr, state: dict | None) -> None:
     """The sparse step's bookkeeping (train.sparse_step): rows the checkpoint holds behind their Adam count
     continue from there; a run without the sparse step brings them up to date at once."""
-    from splatflow.train.sparse import SparseAdam
-
     sparse = getattr(tr, "sparse", None)
     if state is None:
         if sparse is not None:
@@ -110,17 +109,39 @@ def _restore_sparse(tr, state: dict | None) -> None:
         lazy.flush(tr.params, tr.optimizers)
 
 
+def _set_aside(path, error: Exception) -> None:
+    """Move an unreadable checkpoint out of the way and say so: training starts from step 0, and the file stays
+    beside the new one (``ckpt.pt.unreadable-<time>``) for the user to inspect or delete, since it may be the only
+    copy of hours of training."""
+    import time
+    from pathlib import Path
+
+    path = Path(path)
+    reason = str(error).removeprefix(f"{path}: ").split("; delete it")[0].split(". ")[0]  # torch adds advice
+    reason += ")" * (reason.count("(") - reason.count(")"))
+    aside = path.with_name(f"{path.name}.unreadable-{time.strftime('%Y%m%dT%H%M%S')}")
+    try:
+        path.rename(aside)
+    except OSError as e:  # a read-only folder: leave it; the run's own first save replaces it
+        print(f"{path}: cannot be read ({reason}) and cannot be moved aside ({e}); training starts from step 0 and "
+              f"its first checkpoint replaces it", file=sys.stderr, flush=True)
+        return
+    print(f"{path}: cannot be read ({reason}); moved it to {aside} (kept: delete it when you no longer need it); "
+          f"training starts from step 0", file=sys.stderr, flush=True)
+
+
 def try_resume(tr) -> bool:
     """Continue trainer ``tr`` from an unfinished checkpoint of the same config, seed and scene at
-    ``tr.ckpt_path``; True if it did. A missing, unreadable or finished checkpoint starts afresh quietly; an
-    unfinished one written with other settings, another seed or on other scene data (new photos, a new SfM model,
-    another split) starts afresh and says why on stderr, and so does a resume."""
+    ``tr.ckpt_path``; True if it did. A missing or finished checkpoint starts afresh quietly; an unreadable one
+    (truncated by a full disk, damaged in a copy) is moved aside, kept, and named on stderr; an unfinished one
+    written with other settings, another seed or on other scene data (new photos, a new SfM model, another split)
+    starts afresh and says why on stderr, and so does a resume."""
     if not (tr.cfg.resume and tr.ckpt_path and tr.ckpt_path.exists()):
         return False
     try:
         ckpt = Checkpoint.load(tr.ckpt_path)
     except UserError as e:
-        log.info("%s: not resuming (%s)", tr.ckpt_path, e)
+        _set_aside(tr.ckpt_path, e)
         return False
     if not ckpt.resumable:
         log.info("%s: not resuming (a finished run)", tr.ckpt_path)

@@ -30,9 +30,11 @@ from splatflow.device import reset_peak_memory, run_record
 from splatflow.device import resolve as resolve_device
 from splatflow.errors import UserError
 from splatflow.model import SPLAT_KEYS, Checkpoint, Splats, init_splats, scene_scale
+from splatflow.render import rasterize
+from splatflow.render.ssim import l1_ssim
 from splatflow.scene.images import ImageCache
-from splatflow.train import checkpoint, optim
-from splatflow.train import hooks as train_hooks
+from splatflow.train import checkpoint, optim, plan
+from splatflow.train import precompile as compile_ahead  # the module: tests stand in for its compile
 from splatflow.train.prune_during import PruneDuring
 from splatflow.train.rng import RunRNG
 from splatflow.train.rows import reorder_spatially, spatial_order
@@ -48,14 +50,18 @@ log = logging.getLogger("splatflow.train")
 _NAN_CHECKED = ("means", "opacities", "scales")  # the groups whose NaN/Inf the step checks (after the strategy)
 
 
+def _gpu_memory_gib(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    return round(torch.cuda.get_device_properties(device).total_memory / 2**30, 1)
+
+
 class GradientHealthError(UserError):
     """The first backward pass left positions, colours or opacities without any gradient."""
 
 
 def photometric_loss(pred: torch.Tensor, gt: torch.Tensor, sigma_px: float, ssim_lambda: float):
     """``(loss, l1, ssim)`` of ``[1, 3, H, W]`` images after blurring both by ``sigma_px`` (3DGS Eq. 7)."""
-    from splatflow.render.ssim import l1_ssim
-
     # on CPU: blur of both, L1 and SSIM in two kernel passes forward, one backward; the target gets no gradient
     l1, s = l1_ssim(pred, gt, blur_sigma=sigma_px)
     return (1.0 - ssim_lambda) * l1 + ssim_lambda * (1.0 - s), l1, s
@@ -79,6 +85,7 @@ class TrainResult:
     # None when they were cached or the run is on a GPU
     compile_seconds: float | None = None
     window_pixels: int = 0  # train.patch_max_pixels as this run resolved it (0 = whole images)
+    plan: dict = field(default_factory=dict)  # the resolved training plan (splatflow.train.plan.Plan.record)
 
 
 def _render_psnr(rgb: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None) -> float:
@@ -95,33 +102,37 @@ class Trainer:
     ``splats`` (optional) starts from given parameters instead of the SfM points (fine-tuning);
     ``densify=False`` switches the strategy off; ``schedules`` overrides the ones built from ``cfg``.
     ``stop_after`` ends the run early at that step with a resumable checkpoint (tests, SIGTERM drills).
-    ``hooks`` watch the run after every step (:mod:`splatflow.train.hooks`; the live viewer).
+    ``watchers`` see the run after every step through its sink (:meth:`MetricsSink.step`; the live view).
     """
 
     def __init__(self, scene, cfg: TrainConfig, *, ckpt_path: str | Path | None = None,
                  csv_path: str | Path | None = None, seed: int = 0, splats: dict | None = None,
                  densify: bool = True, schedules: Schedules | None = None, stop_after: int | None = None,
-                 step_logger=None, hooks=()):
+                 step_logger=None, watchers=()):
         if not scene.train_views:
             raise UserError("no training views: the split left every view in the test set; check data/<scene>/"
                             "split.json and the split params")
-        self.scene, self.cfg, self.seed = scene, cfg, seed
-        self.ckpt_path = Path(ckpt_path) if ckpt_path else None
-        self.sink = MetricsSink(csv_path, step_logger)  # plots/S/train.csv, the log and the tracking step logger
-        self.stop_after = stop_after
-        self.hooks = list(hooks)  # watchers of the run (splatflow.train.hooks): they read, never change it
-        self.compile_seconds: float | None = None  # set by run() when it compiled the CPU kernels first
-        self.loss_fn: Callable = photometric_loss
-        self.views = list(scene.train_views)
-        self.cache = ImageCache(self.views, cfg.image_cache_mb)
         # One device for the whole run (CUDA with a GPU and backend auto/cuda, else the CPU): every tensor below
         # is made on it or moved to it; images are decoded on the host and uploaded per step (scene/images.py).
         self.run_device = resolve_device(cfg.backend)
         self.device = self.run_device.device
+        # train.max_steps / densify.max_gaussians "auto": sized from the scene and the device, once (plan.py)
+        self.plan = plan.resolve(cfg, scene.train_views, self.run_device.backend, _gpu_memory_gib(self.device))
+        cfg = plan.apply(cfg, self.plan)
+        self.scene, self.cfg, self.seed = scene, cfg, seed
+        self.ckpt_path = Path(ckpt_path) if ckpt_path else None
+        # plots/S/train.csv, the log, the tracking step logger and the watchers (the live view)
+        self.sink = MetricsSink(csv_path, step_logger, watchers)
+        self.stop_after = stop_after
+        self.compile_seconds: float | None = None  # set by run() when it compiled the CPU kernels first
+        self.loss_fn: Callable = photometric_loss
+        self.views = list(scene.train_views)
+        self.cache = ImageCache(self.views, cfg.image_cache_mb)
         reset_peak_memory(self.run_device)
         self.rng = RunRNG(seed, self.device)  # this run's own generators, lent to the global ones per step
         self.viewmats = [torch.as_tensor(np.asarray(v.world_to_cam, dtype=np.float32), device=self.device)
                          for v in self.views]  # [4, 4] each
+        self._k_cache: dict[tuple[int, float], torch.Tensor] = {}  # (view, level factor) -> K [3, 3] on the device
         self.scene_scale = scene_scale(np.stack([v.world_to_cam for v in self.views]))  # training cameras only
         self.sched = schedules or Schedules.from_config(cfg, self.scene_scale)
         # CPU: rows in Morton order of position, kept so after every densification event (splatflow.train.rows);
@@ -190,15 +201,15 @@ class Trainer:
         window are rendered, from copies of their rows: ``info["rows"]`` holds their indices and ``info["leaves"]``
         the copies, whose ``.grad`` the backward fills (``self.params`` get none).
         """
-        from splatflow.render import rasterize
-
         w, h = self.cache.shape(i, factor)
         budget = level_budget(self.window_pixels, factor, self.cfg.patch_level_exponent)
         win = patch_window(w, h, budget) if patch else None
         # only the window's pixels are converted and uploaded; K is the whole level's
         target, K = self.cache.get(i, factor, device=self.device, window=win)
         mask = self.cache.mask(i, factor, window=win)  # [H, W] bool keep-mask, None without masks
-        Kt = torch.as_tensor(K, dtype=torch.float32, device=self.device)  # [3, 3]
+        Kt = self._k_cache.get((i, factor))  # [3, 3]: uploaded once per view and level (an upload waits for the GPU)
+        if Kt is None:
+            Kt = self._k_cache[(i, factor)] = torch.as_tensor(K, dtype=torch.float32, device=self.device)
         src, rows = self.params, None
         if sparse:
             rows = candidates(self.params, self.viewmats[i], Kt, w, h, win)  # [n] int64
@@ -404,9 +415,7 @@ class Trainer:
         if self.run_device.backend == "cpu":  # a first run after an install or a kernel change: helper processes
             import numba
 
-            from splatflow.train.precompile import precompile
-
-            self.compile_seconds = precompile(numba.get_num_threads())
+            self.compile_seconds = compile_ahead.precompile(numba.get_num_threads())
         initial_psnr = self.validate() if self.step == 0 and cfg.early_stop.enabled else None
         old_handler = self._install_sigterm()
         pbar = _progress(cfg.progress, cfg.max_steps, self.step)
@@ -445,7 +454,7 @@ class Trainer:
                                           "psnr": f"{row['psnr']:.2f}"}, refresh=False)
                 if pbar is not None:
                     pbar.update(1)
-                train_hooks.after_step(self.hooks, self, row)
+                self.sink.step(self, row)  # the watchers (the live view): they read the model, never change it
                 if reason:
                     stopped = reason
                     break
@@ -495,7 +504,8 @@ class Trainer:
                            val_psnr=self.val_psnr, events=list(self.events), initial_psnr=initial_psnr,
                            resumed_from=self.resumed_from, device=run_record(self.run_device),
                            prune_during=self.pruner.report() if self.pruner is not None else None,
-                           compile_seconds=self.compile_seconds, window_pixels=self.window_pixels)
+                           compile_seconds=self.compile_seconds, window_pixels=self.window_pixels,
+                           plan=self.plan.record())
 
     def _install_sigterm(self):
         """SIGTERM belongs to the stage shell (:mod:`splatflow.stop`); the loop only polls its flag, so it can

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from splatflow.train import multi_adam
+
 
 def adam(param: torch.nn.Parameter, lr: float) -> torch.optim.Adam:
     """Adam with the 3DGS reference's eps; torch's fused kernel (same update, ~4x faster on CPU for six small
@@ -21,7 +23,11 @@ def make_optimizers(params: dict[str, torch.nn.Parameter], lrs: dict[str, float]
 
 
 def step(optimizers: dict[str, torch.optim.Adam]) -> None:
-    """Plain Adam on every group, then drop the gradients."""
+    """Plain Adam on every group, then drop the gradients. On a GPU with Triton all groups are stepped in one
+    launch (:mod:`.multi_adam`: same update, same state); elsewhere, the CPU always, torch's fused Adam per group."""
+    if multi_adam.steppable(optimizers):
+        multi_adam.step(optimizers)
+        return
     for opt in optimizers.values():
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -2,9 +2,9 @@
 
 numba compiles a kernel at its first call, in the calling process, one kernel after another. The first CPU
 training run after an install or a kernel change compiled for 83 s on one core while the other core idled:
-that was 40 % of the demo's first run (bench/RESULTS.md, session 13). Until it has done so once for a cache
-folder and a kind of machine (its marker file, :func:`cached`), :func:`precompile` has two helper processes
-compile them into the cache at once:
+that was 40 % of the demo's first run (docs/experiments.md, The demo from a fresh clone, 2026-11-26 15:04).
+Until it has done so once for a cache folder and a kind of machine (its marker file, :func:`cached`),
+:func:`precompile` has two helper processes compile them into the cache at once:
 - one compiles the loss kernels (SSIM with the training blur inside, and the transposed blur of its backward: the
   longest part);
 - the other compiles the projection, the rasterizer and the sparse step's kernels.
@@ -12,9 +12,10 @@ The two halves take about a minute each on the 2-core development VM. With one t
 The training process then loads every kernel from the cache, as every later run does. That matters for more than
 time: the rasterizer's backward compiled in the training process computed slightly different gradients from the
 same kernel loaded from the cache (after 20 demo steps, 3e-3 apart in a quaternion; after the demo's 2000 steps,
-26.22 against 26.11 dB, bench/RESULTS.md session 14), so a first run and its reruns differed. Compiled in a
-helper, a first run is a rerun. tests/test_precompile.py checks it: a training run after precompile (windows,
-the blur, the removal-cost cuts) finds every variant it calls in the cache (numba's own cache-miss counts).
+26.22 against 26.11 dB; docs/experiments.md, The demo from a fresh clone, 2026-11-26 17:05), so a first run and
+its reruns differed. Compiled in a helper, a first run is a rerun. tests/test_precompile.py checks it: a training
+run after precompile (windows, the blur, the removal-cost cuts) finds every variant it calls in the cache (numba's
+own cache-miss counts).
 """
 
 from __future__ import annotations
@@ -25,6 +26,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import splatflow
+from splatflow.model import SPLAT_KEYS, Splats
+from splatflow.render import rasterize, removal_loss
+from splatflow.render._kernels import touch_pool
+from splatflow.render.ssim import l1_ssim
+from splatflow.train.sparse import SparseAdam, candidates
 
 # the folder splatflow.render._numba_cache files splatflow's kernels under, inside NUMBA_CACHE_DIR
 _CACHE_SUBFOLDER = "splatflow_render"
@@ -65,8 +73,6 @@ def compile_loss_kernels() -> None:
     target views, with the training blur and without, and the gradient back to the render."""
     import torch
 
-    from splatflow.render.ssim import l1_ssim
-
     x = torch.rand(20, 24, 3, device="cpu", requires_grad=True)  # [H, W, 3] like a render
     y = torch.rand(20, 24, 3, device="cpu")
     for sigma in (2.0, 0.0):
@@ -81,11 +87,6 @@ def compile_step_kernels() -> None:
     compiled nothing more after these (its numba cache folder listed before and after)."""
     import numpy as np
     import torch
-
-    from splatflow.model import SPLAT_KEYS, Splats
-    from splatflow.render import rasterize, removal_loss
-    from splatflow.render._kernels import touch_pool
-    from splatflow.train.sparse import SparseAdam, candidates
 
     n = 64
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -136,7 +137,6 @@ def precompile(threads: int) -> float | None:
     where = "on two cores" if threads >= 2 else "in a helper process"
     print(f"compiling the CPU kernels {where} (once after an install or a kernel change; about a minute, then they "
           "load from numba's cache in seconds)", file=sys.stderr, flush=True)
-    import splatflow
 
     # the same splatflow as this process (a bench run from another checkout puts its own first on sys.path), and
     # its numba cache folder (NUMBA_CACHE_DIR, set in os.environ by `import splatflow`)

@@ -1,13 +1,13 @@
 """Pruning inside the last part of training (``train.prune_during``): the steps after each cut are its recovery.
 
 Why: the prune stage's phased pruning (:mod:`splatflow.prune`, after LightGaussian) fine-tunes the model after
-every phase; six recoveries of 1,000-3,000 steps cost about twice the training itself (bench/RESULTS.md). Training
+every phase; six recoveries of 1,000-3,000 steps cost about twice the training itself (docs/experiments.md). Training
 already ends with steps that only refine a fixed set of Gaussians (densification stops at
 ``densify.refine_stop_fraction``). Cutting the model during those steps lets them serve as the recovery, and each
 step after a cut is cheaper because fewer Gaussians are drawn, so pruning costs about its scoring (progressive
 pruning during training, as in Trick-GS, rather than LightGaussian's prune-then-recover).
 
-What is kept from the prune stage: the ranking (the removal cost, :func:`splatflow.prune.removal_scores`, each
+What is kept from the prune stage: the ranking (the removal cost, :func:`splatflow.scoring.removal_scores`, each
 cut made in ``score_rounds`` geometric sub-cuts re-scored in between) and the early stop against a PSNR floor on
 TRAINING views. What differs: the cuts are fractions of the count at the first cut (geometric from 1 down to
 ``keep_final``), the score is summed over ``score_views`` evenly spaced training views instead of all of them
@@ -32,6 +32,7 @@ import torch
 from splatflow.config import PruneDuringConfig
 from splatflow.errors import UserError
 from splatflow.model import SPLAT_KEYS, Splats
+from splatflow.scoring import Camera, removal_scores, top_indices, val_indices
 from splatflow.train.rows import STRATEGY_ROW_KEYS, keep_rows
 
 log = logging.getLogger("splatflow.train")
@@ -147,7 +148,7 @@ class PruneDuring:
 
         Why: by the time the cuts come the position rate has decayed to a few percent of its start, so the
         survivors can barely move into the gaps the removed Gaussians leave; the prune stage's recoveries needed
-        a rate near a third of the initial one (bench/RESULTS.md, pruning). A pure function of the policy's state,
+        a rate near a third of the initial one (docs/experiments.md, Pruning). A pure function of the policy's state,
         so a resumed run uses the same rates.
         """
         boost = self.cfg.recovery_lr_boost
@@ -217,8 +218,6 @@ class PruneDuring:
         return ok
 
     def _cut(self, trainer, step: int) -> None:
-        from splatflow.prune import Camera, removal_scores, top_indices, val_indices
-
         t0 = time.perf_counter()
         frac = self.fractions[self.done]
         n_cur = int(trainer.params["means"].shape[0])

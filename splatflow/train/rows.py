@@ -5,8 +5,8 @@ Why a spatial order (``train.spatial_order``): a late CPU step renders a window 
 model's Gaussians. In the order densification leaves them (clones and split children appended at the end) those
 rows are scattered over the whole model, so the step's gathers, its Adam rows and the compositing's reads of the
 projected splats jump through memory. Sorted along a Z-order (Morton) curve of their positions, Gaussians that
-are close in space are close in memory, and a window's rows are a few contiguous runs (bench/RESULTS.md,
-"Training", session 10: Adam 3.5 -> 2.2 ms of a 41.5 ms late step). The order changes no result beyond float
+are close in space are close in memory, and a window's rows are a few contiguous runs (docs/experiments.md,
+Training, 2026-11-26 04:58: Adam 3.5 -> 2.2 ms of a 41.5 ms late step). The order changes no result beyond float
 rounding: every per-Gaussian quantity moves with its row.
 """
 

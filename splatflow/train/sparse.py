@@ -3,7 +3,7 @@ can reach, and Adam stays exactly dense Adam.
 
 Why: late in a run a 60K-pixel window of an 800x600 view reaches a few thousand of 120K Gaussians, but the
 activations, the projection's per-Gaussian buffers and Adam ran over all of them, about a third of the step
-(bench/RESULTS.md, "Training"). Here a step
+(docs/experiments.md, Training). Here a step
 
 1. picks the candidates (:func:`candidates`: the projection kernel's own cheap bound on the raw parameters, so no
    Gaussian the projection would keep is left out),
@@ -25,6 +25,8 @@ import numpy as np
 import torch
 
 from splatflow.model import SPLAT_KEYS
+from splatflow.render._sparse_kernels import adam_catch_up, adam_rows, window_candidates
+from splatflow.train.multi_adam import adam_state
 
 # a step that reaches more than this share of the rows updates all of them in order (streaming beats jumping)
 DENSE_SHARE = 0.25
@@ -37,8 +39,6 @@ def candidates(params: dict, viewmat: torch.Tensor, K: torch.Tensor, width: int,
                window: tuple[int, int, int, int] | None) -> torch.Tensor:
     """Indices (int64, ascending) of the Gaussians that may reach ``window`` (``(x0, y0, w, h)``; None = the whole
     ``width`` x ``height`` view) of the camera ``viewmat`` [4, 4] / ``K`` [3, 3]; CPU tensors."""
-    from splatflow.render._sparse_kernels import window_candidates
-
     x0, y0, ww, wh = window if window is not None else (0, 0, int(width), int(height))
     # C order always (a K built from a transposed array is F order): one compiled variant, the one precompiled
     vm = np.ascontiguousarray(viewmat.detach().to(torch.float64).reshape(1, 4, 4).numpy())
@@ -83,15 +83,7 @@ class SparseAdam:
         self.sync(params, optimizers, force=True)
 
     # ------------------------------------------------------------------------------------------ bookkeeping
-    @staticmethod
-    def _state(opt: torch.optim.Adam, p: torch.nn.Parameter) -> dict:
-        """The param's Adam state, created as torch's Adam creates it on its first step."""
-        st = opt.state[p]
-        if not st:
-            st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-            st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        return st
+    _state = staticmethod(adam_state)  # the param's Adam state, created as torch's Adam creates it
 
     def _tables(self, t: int) -> None:
         """Bias corrections per Adam count up to ``t``: ``1 - b1^c`` and ``sqrt(1 - b2^c)``."""
@@ -152,8 +144,6 @@ class SparseAdam:
     def step(self, params: dict, optimizers: dict, rows: torch.Tensor, grads: dict) -> None:
         """One Adam count for every group: rows ``rows`` with gradients ``grads[k]`` ([len(rows), ...]; None =
         zeros), the other rows deferred."""
-        from splatflow.render._sparse_kernels import adam_rows
-
         self.sync(params, optimizers)
         r = rows.numpy()
         n_all = params["means"].shape[0]
@@ -180,8 +170,6 @@ class SparseAdam:
 
     def flush(self, params: dict, optimizers: dict) -> None:
         """Bring every row up to its group's count (what dense Adam would hold now)."""
-        from splatflow.render._sparse_kernels import adam_catch_up
-
         if not self.pending:
             return
         self.sync(params, optimizers)

@@ -345,7 +345,7 @@ class TorchMCMCStrategy(MCMCStrategy):
         On a window (``patch_max_pixels``) or a partial view, an unseen Gaussian's only gradient would be the
         regulariser's, which Adam rescales to a full-size step: its opacity would be driven to zero (and the
         Gaussian relocated) in a few hundred steps without the images ever asking for it (measured: validation
-        PSNR fell 0.6 dB over the last phase, bench/RESULTS.md). The mean over the rendered ones keeps the
+        PSNR fell 0.6 dB over the last phase, docs/experiments.md). The mean over the rendered ones keeps the
         paper's balance between the two losses, since the photometric term is a mean over the rendered pixels.
         A render that reaches no Gaussian gets a zero term.
         """

@@ -46,8 +46,8 @@ def _patch_plan(width: int, height: int, max_pixels: int) -> tuple[int, int, flo
 
 
 def level_budget(max_pixels: int, factor: float, exponent: float) -> int:
-    """Window area of a resolution level at ``factor`` of full size: ``max_pixels / factor^exponent`` (0 stays 0:
-    whole images). Measured on the 800x600 benchmark scene (bench/RESULTS.md, "Training", session 8): at the same
+    """Window area of a resolution level at ``factor`` of full size: ``max_pixels / factor^exponent`` (0 stays 0: whole
+    images). Measured on the 800x600 benchmark scene (docs/experiments.md, Training, 2026-11-25 22:50): at the same
     training time, windows of the same 60K pixels at every level gave 29.35 dB, exponent 1 (whole images at 1/2,
     80K-pixel windows at 3/4) 30.04 dB, and windows shrinking with the level (a fixed share of the view) 28.90 dB: a
     coarse step's cost is mostly per Gaussian, not per pixel, so there more pixels per step are nearly free."""
@@ -66,7 +66,7 @@ def patch_window(width: int, height: int, max_pixels: int,
     very edge): a nominal window of the image's aspect ratio is placed anywhere it overlaps the image and clipped
     to it. Windows kept inside the image would cover a band a window deep along the border far less often than the
     centre (a corner pixel once per ~500 windows at 800x600): measured, the border band of the training views
-    ended ~4 dB below their centre (bench/RESULTS.md, session 3).
+    ended ~4 dB below their centre (docs/experiments.md, Training, 2026-11-23).
     """
     if not max_pixels or width * height <= max_pixels:
         return None

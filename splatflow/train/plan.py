@@ -1,0 +1,123 @@
+"""The training plan: how many steps and how many Gaussians a scene gets on the device it trains on.
+
+``train.max_steps: auto`` and ``train.densify.max_gaussians: auto`` (the defaults) are resolved here, once, before
+training, from three things that do not change between reruns: the scene's image content (training views x
+pixels per view at the working size), the device kind (the CPU backend or a CUDA GPU, with its memory) and
+``train.quality``. The resolved numbers go into ``metrics/S/train.json`` (``plan``) and MLflow, and the stage logs
+them as the lines to paste into ``params.yaml`` to pin them. A number given for either key is used as it is.
+
+Why these numbers (bench/RESULTS.md "Real captures"): the step count and budget that suit a 32-view synthetic
+room (6,600 steps, 120K Gaussians, 5 minutes on 2 cores) underfit a 220-view 360° capture by 1.5-4 dB. Image
+content grows the work: the plan scales steps and budget with the square root of the content relative to that
+room (the reference), between a floor (small scenes keep the room's plan) and a ceiling (a 2-core CPU's 15-minute
+budget; a GPU's 30K steps, the field's standard schedule, and a budget its memory holds).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from splatflow.config import TrainConfig
+
+# The content of the benchmark room the CPU defaults were tuned on: 32 training views at 800x600.
+REFERENCE_CONTENT_PX = 32 * 800 * 600
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Steps and budget at the reference content, and the floor and ceiling of each."""
+
+    steps: int
+    steps_min: int
+    steps_max: int
+    gaussians: int
+    gaussians_min: int
+    gaussians_max: int
+
+
+# Per device kind and train.quality. CPU standard: ~15 minutes on 2 cores for a 250-photo capture at 800 px;
+# draft about half of it; max without a time limit. CUDA: the field's 30K-step schedule on whole images, a budget of
+# the size gsplat's and 3DGS-MCMC's runs reach on real scenes (1-3M).
+LIMITS = {
+    ("cpu", "draft"): Limits(3300, 3000, 7500, 60_000, 40_000, 200_000),
+    ("cpu", "standard"): Limits(6600, 6600, 15_000, 120_000, 120_000, 400_000),
+    ("cpu", "max"): Limits(15_000, 15_000, 30_000, 400_000, 400_000, 1_000_000),
+    ("cuda", "draft"): Limits(7000, 7000, 15_000, 300_000, 300_000, 1_000_000),
+    ("cuda", "standard"): Limits(15_000, 15_000, 30_000, 600_000, 600_000, 3_000_000),
+    ("cuda", "max"): Limits(30_000, 30_000, 40_000, 1_000_000, 1_000_000, 6_000_000),
+}
+# Gaussians a GPU holds per GiB of memory while training (parameters, Adam moments, gradients and the
+# rasterizer's per-tile lists): a cap under the budget on small cards.
+GAUSSIANS_PER_GIB = 250_000
+
+
+@dataclass(frozen=True)
+class Plan:
+    max_steps: int
+    max_gaussians: int
+    steps_auto: bool
+    gaussians_auto: bool
+    quality: str
+    device_kind: str  # "cpu" (the numba or torch CPU backends) or "cuda"
+    train_views: int
+    pixels_per_view: int  # median at the working size
+    content_ratio: float  # content / REFERENCE_CONTENT_PX
+    gpu_memory_gib: float | None = None
+
+    def record(self) -> dict:
+        """For train.json and MLflow: numbers only."""
+        return {"max_steps": self.max_steps, "max_gaussians": self.max_gaussians,
+                "steps_auto": int(self.steps_auto), "gaussians_auto": int(self.gaussians_auto),
+                "train_views": self.train_views, "pixels_per_view": self.pixels_per_view,
+                "content_ratio": round(self.content_ratio, 4), "gpu_memory_gib": self.gpu_memory_gib}
+
+    def describe(self) -> str:
+        what = []
+        if self.steps_auto or self.gaussians_auto:
+            what.append(f"{self.quality} plan for {self.train_views} training views of "
+                        f"{self.pixels_per_view / 1e6:.2f} MP on {self.device_kind}")
+        pin = []
+        if self.steps_auto:
+            pin.append(f"train.max_steps: {self.max_steps}")
+        if self.gaussians_auto:
+            pin.append(f"train.densify.max_gaussians: {self.max_gaussians}")
+        head = f"{self.max_steps} steps, at most {self.max_gaussians:,} Gaussians"
+        return head + (f" ({what[0]}; pin with {', '.join(pin)})" if pin else " (as set in params.yaml)")
+
+
+def _scaled(base: int, lo: int, hi: int, ratio: float, round_to: int) -> int:
+    value = base * math.sqrt(max(ratio, 0.0))
+    return int(min(hi, max(lo, round(value / round_to) * round_to)))
+
+
+def resolve(cfg: TrainConfig, views, device_kind: str, gpu_memory_gib: float | None = None,
+            pixels=None) -> Plan:
+    """The plan for training ``views`` (the training views at their working size) on ``device_kind``
+    ("cpu" or "cuda"). ``pixels`` (optional) gives each view's pixel count instead of reading ``view.width`` and
+    ``view.height``."""
+    kind = "cuda" if device_kind == "cuda" else "cpu"
+    sizes = list(pixels) if pixels is not None else [int(v.width) * int(v.height) for v in views]
+    n = len(sizes)
+    per_view = int(sorted(sizes)[n // 2]) if n else 0
+    ratio = n * per_view / REFERENCE_CONTENT_PX
+    lim = LIMITS[(kind, cfg.quality)]
+    steps = cfg.max_steps if cfg.max_steps != "auto" else _scaled(lim.steps, lim.steps_min, lim.steps_max,
+                                                                    ratio, 100)
+    if cfg.densify.max_gaussians != "auto":
+        budget = int(cfg.densify.max_gaussians)
+    else:
+        budget = _scaled(lim.gaussians, lim.gaussians_min, lim.gaussians_max, ratio, 10_000)
+        if kind == "cuda" and gpu_memory_gib:
+            budget = min(budget, int(GAUSSIANS_PER_GIB * gpu_memory_gib) // 10_000 * 10_000)
+    return Plan(max_steps=int(steps), max_gaussians=int(budget), steps_auto=cfg.max_steps == "auto",
+                gaussians_auto=cfg.densify.max_gaussians == "auto", quality=cfg.quality, device_kind=kind,
+                train_views=n, pixels_per_view=per_view, content_ratio=ratio,
+                gpu_memory_gib=None if kind == "cpu" else gpu_memory_gib)
+
+
+def apply(cfg: TrainConfig, plan: Plan) -> TrainConfig:
+    """``cfg`` with the plan's numbers in place of "auto"."""
+    return dataclasses.replace(cfg, max_steps=plan.max_steps,
+                               densify=dataclasses.replace(cfg.densify, max_gaussians=plan.max_gaussians))
