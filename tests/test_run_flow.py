@@ -91,3 +91,44 @@ def test_run_without_a_reachable_prefect_api_still_runs_the_stages(tmp_path):
     assert "$ dvc repro settings@tiny ingest@tiny" in r.stdout, out
     assert "Running stage 'settings@tiny'" in out and "ingest" in out
     assert r.returncode not in (0, 2, 3) and "Traceback" not in out, out  # the failed stage's status, as dvc's
+
+
+def test_run_without_a_server_is_recorded_where_splatflow_ui_finds_it(tmp_path):
+    """No Prefect server up: `splatflow run` goes through Prefect's ephemeral API, whose database is the one in
+    PREFECT_HOME; a Prefect server started later on that folder (what `splatflow ui` does) shows the flow run with
+    one task run per stage."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from splatflow.orchestrate import servers
+    from splatflow.orchestrate.dvcrun import stage_order
+
+    if servers.port_in_use(servers.PREFECT_PORT):
+        pytest.skip(f"a Prefect server answers on 127.0.0.1:{servers.PREFECT_PORT} (another `splatflow ui`): "
+                    "`splatflow run` would record there, not in an ephemeral API")
+    root = make_project(tmp_path / "p", overrides=TINY_PARAMS)
+    home = tmp_path / "prefect-home"
+    env = {k: v for k, v in project_env().items() if not k.startswith("PREFECT_API")}
+    # a loaded machine can take minutes to start the ephemeral server (its database migrations, uvicorn)
+    env.update({"PREFECT_HOME": str(home), "SPLATFLOW_TRACKING": "off",
+                "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "600"})
+    stages = stage_order(root, "tiny")
+    r = run([str(BIN / "splatflow"), "run", "tiny"], root, env=env)
+    assert "using a temporary one" in r.stderr, r.stderr[-2000:]
+    assert f"{len(stages)} stages ran, 0 up to date" in r.stdout, r.stdout[-3000:]
+    assert "DVC alone" not in r.stdout + r.stderr
+    assert (home / "prefect.db").exists(), "the ephemeral API did not use PREFECT_HOME's database"
+
+    port = servers.free_port()
+    pf = servers.start_prefect(port, home=home, log_dir=tmp_path)
+    try:
+        pf.wait_healthy(300)
+        with temporary_settings(updates={PREFECT_API_URL: f"{pf.url}/api"}), get_client(sync_client=True) as client:
+            flow_runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["reconstruct"])))
+            assert len(flow_runs) == 1 and flow_runs[0].state.is_completed(), flow_runs
+            tasks = _task_runs(client, flow_runs[0].id, len(stages), timeout_s=30)
+        assert sorted(t.name for t in tasks) == sorted(stages), [t.name for t in tasks]
+        assert {t.state.name for t in tasks} == {"Completed"}
+    finally:
+        pf.stop()
