@@ -61,7 +61,8 @@ def main() -> None:
     cams = scene_cameras(paths)
     times: dict[bool, list[float]] = {False: [], True: []}
     results: dict[bool, object] = {}
-    train(scene, replace(cfg, max_steps=5), seed=0)  # kernels loaded, caches warm: not timed
+    warm = replace(cfg, max_steps=5, prune_during=replace(cfg.prune_during, enabled=False))
+    train(scene, warm, seed=0)  # kernels loaded, caches warm: not timed
     for r in range(args.rounds):
         for watched in (False, True):
             watchers, browser = [], None
