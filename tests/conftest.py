@@ -11,12 +11,20 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 import pytest  # noqa: E402
 
 
+def pytest_configure(config):
+    # pytest-xdist (>= 3.6) hands out the files of `--dist loadfile` by their number of tests, most first, unless
+    # told otherwise: that put the end-to-end files (one to three tests each, minutes each) last, to run alone at
+    # the end of the suite. Its own order off, the files go out in the order pytest_collection_modifyitems makes.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
     # Modules holding a `slow` test first (in their own order): with `-n 2 --dist loadfile` (make test) the long
     # end-to-end files start at once and the short ones fill in around them, instead of one long file at the end
-    # running alone.
+    # running alone (pytest_configure keeps pytest-xdist from reordering them).
     slow_modules = {item.module.__name__ for item in items if "slow" in item.keywords}
     items.sort(key=lambda item: item.module.__name__ not in slow_modules)
     if torch.cuda.is_available():
