@@ -5,7 +5,8 @@ for ``--steps`` steps, alternately without and with the live view at ``--every``
 ``--rounds`` times each in one process, so the ratio holds on whatever machine runs it. No browser is needed for
 the cost of snapshots and of the viewer's conversion and serialisation; ``--browser`` also keeps a headless
 Chromium on the page (what a watching user adds: the websocket traffic to a client). Prints seconds per run, the
-steps per second, the median ratio and whether the watched runs' parameters equal the unwatched ones.
+steps per second, the CPU seconds of the process (training and the viewer's thread: the figure that holds on a
+loaded machine), the median ratios and whether the watched runs' parameters equal the unwatched ones.
 
     nice -n 19 .venv/bin/python bench/live_view.py [--steps 600] [--rounds 2] [--every 5] [--browser]
 """
@@ -60,6 +61,7 @@ def main() -> None:
                   early_stop=replace(params.train.early_stop, enabled=False))
     cams = scene_cameras(paths)
     times: dict[bool, list[float]] = {False: [], True: []}
+    cpus: dict[bool, list[float]] = {False: [], True: []}  # this process's CPU-s: training and the viewer's thread
     results: dict[bool, object] = {}
     warm = replace(cfg, max_steps=5, prune_during=replace(cfg.prune_during, enabled=False))
     train(scene, warm, seed=0)  # kernels loaded, caches warm: not timed
@@ -69,7 +71,7 @@ def main() -> None:
             if watched:
                 live = LiveView(cams, title=args.scene, port=free_port(), every_s=args.every, log=lambda s: None)
                 watchers = [live]
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             try:
                 if watched and args.browser:
                     browser = _open_when_served(live)
@@ -79,18 +81,21 @@ def main() -> None:
                     browser.close()
                 for h in watchers:
                     h.close()
-            dt = time.perf_counter() - t0
+            dt, cpu = time.perf_counter() - t0, time.process_time() - c0
             times[watched].append(dt)
+            cpus[watched].append(cpu)
             results[watched] = res
             extra = f", {watchers[0].refreshes} refreshes" if watchers else ""
             print(f"round {r}: {'with' if watched else 'without'} live view: {dt:.2f} s "
-                  f"({args.steps / dt:.2f} steps/s{extra})", flush=True)
+                  f"({args.steps / dt:.2f} steps/s{extra}), {cpu:.1f} CPU-s", flush=True)
     same = all(torch.equal(results[False].splats[k], results[True].splats[k]) for k in SPLAT_KEYS)
     ratio = statistics.median(b / a for a, b in zip(times[False], times[True]))
+    cpu_ratio = statistics.median(b / a for a, b in zip(cpus[False], cpus[True]))
     print(f"\n{args.scene}, {args.steps} steps, refresh every {args.every:g} s"
           f"{', Chromium on the page' if args.browser else ''}: without {statistics.median(times[False]):.2f} s, "
           f"with {statistics.median(times[True]):.2f} s; time ratio with/without {ratio:.3f} "
-          f"({(ratio - 1) * 100:+.1f} %); same parameters: {same}")
+          f"({(ratio - 1) * 100:+.1f} %); CPU-s ratio {cpu_ratio:.3f} ({(cpu_ratio - 1) * 100:+.1f} %, what a loaded machine "
+          f"still measures); same parameters: {same}")
 
 
 def _open_when_served(live):
