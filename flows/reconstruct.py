@@ -23,7 +23,7 @@ from typing import Any, Literal, Optional
 
 from prefect import flow, get_run_logger, task
 from prefect.context import get_run_context
-from prefect.states import Completed
+from prefect.states import Completed, State
 
 from splatflow import tracking
 from splatflow.orchestrate import dvcrun
@@ -119,8 +119,10 @@ def reproduce(root: Path, scene: str, *, main_root: Path, force: bool, stage_tim
             logger.info("MLflow run %s at %s", run.run_id, uri)
         for stage in stages:
             name = stage.partition("@")[0]
-            results.append(run_stage.with_options(name=name, task_run_name=stage)(
-                str(root), stage, run.run_id, uri, force, stage_timeout_s, echo))
+            res = run_stage.with_options(name=name, task_run_name=stage)(
+                str(root), stage, run.run_id, uri, force, stage_timeout_s, echo)
+            # a skipped stage's task returns its Skipped state, which the call hands back as it is: its record
+            results.append(res.result() if isinstance(res, State) else res)
     metrics = run.client.get_run(run.run_id).data.metrics if run.active else {}
     artifact = publish_summary(root, scene, main_root=main_root, run=run)
     return {"scene": scene, "run_id": run.run_id, "stages": results, "metrics": metrics, "workspace": str(root),
