@@ -31,6 +31,9 @@ from pathlib import Path
 
 import yaml
 
+from splatflow import records
+from splatflow.paths import ScenePaths
+
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("settings", "ingest", "sfm", "split", "train", "prune", "evaluate", "export")
 
@@ -130,8 +133,7 @@ def run_stage(proj: Path, scene: str, stage: str, log_dir: Path, curve_dir: Path
     if p.returncode != 0:
         tail = log.read_text()[-3000:]
         raise SystemExit(f"{scene}: stage {stage} failed ({p.returncode}); log {log}:\n{tail}")
-    mpath = proj / "metrics" / scene / f"{stage}.json"
-    metrics = json.loads(mpath.read_text()) if mpath.exists() else {}
+    metrics = records.read(ScenePaths(scene, proj), stage)  # numbers and texts (metrics/S/info/<stage>.json)
     print(f"[{scene}] {stage}: {wall:.1f} s ({cpu:.1f} CPU-s), peak {metrics.get('peak_rss_mb')} MiB  "
           f"(load {load_average()})", flush=True)
     record = {"wall_seconds": round(wall, 1), "cpu_seconds": round(cpu, 1), "load_after": load_average(),

@@ -121,6 +121,10 @@ class ScenePaths:
     def metrics_json(self, stage: str) -> Path:
         return self.metrics_dir / f"{stage}.json"
 
+    def info_json(self, stage: str) -> Path:
+        """What a stage reports besides numbers (strings, settings, lists, reasons): splatflow.records."""
+        return self.metrics_dir / "info" / f"{stage}.json"
+
     @property
     def per_view_csv(self) -> Path:
         return self.metrics_dir / "per_view.csv"

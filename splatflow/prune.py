@@ -129,7 +129,7 @@ def prune_phases(splats: Splats, sh_degree: int, cfg: PruneConfig, *, score_came
             "size_mb_before": round(current.size_mib, 4),
             "val_psnr_before": psnr_before,
             "phases": [],
-            "stopped_early": False,
+            "stopped_early": 0,  # 0/1: a measure (metrics files hold numbers)
             "stop_reason": None,
         }
         accepted_psnr = psnr_before
@@ -167,7 +167,7 @@ def prune_phases(splats: Splats, sh_degree: int, cfg: PruneConfig, *, score_came
         if phase_callback is not None:
             phase_callback(record, candidate)
         if not ok:
-            report["stopped_early"] = True
+            report["stopped_early"] = 1
             report["stop_reason"] = (f"phase {phase} (keep {frac:.3f}) gave validation PSNR {val:.2f} dB, more "
                                      f"than {cfg.max_psnr_drop_db:g} dB below the unpruned {psnr_before:.2f} dB; "
                                      f"kept phase {phase - 1}")
@@ -247,7 +247,7 @@ def run_prune(cfg, train_cfg, *, train_ckpt, out_ckpt, undistorted_dir=None, spl
         why = "prune.enabled is false" if not cfg.enabled else "the keep schedule keeps every Gaussian"
         result = PruneResult(splats.clone(), {
             "gaussians_before": splats.n, "size_mb_before": round(splats.size_mib, 4),
-            "val_psnr_before": psnr, "phases": [], "stopped_early": False, "stop_reason": f"no-op: {why}",
+            "val_psnr_before": psnr, "phases": [], "stopped_early": 0, "stop_reason": f"no-op: {why}",
             "gaussians_after": splats.n, "size_mb_after": round(splats.size_mib, 4), "val_psnr_after": psnr})
     else:
         def recover(s: Splats, deg: int, steps: int, desc: str) -> Splats:

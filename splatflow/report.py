@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from splatflow import records
 from splatflow.config import ReportConfig
 from splatflow.errors import UserError
 from splatflow.formats import common
@@ -297,15 +298,6 @@ def image_data_uri(path: Path, max_bytes: int = 600_000) -> str:
 # --------------------------------------------------------------------------------------------- page
 
 
-def _read_json(path: Path) -> dict:
-    if not path.exists():
-        return {}
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path}: not valid JSON ({e}); rerun the stage that writes it") from e
-
-
 def _get(d: dict, dotted: str):
     for part in dotted.split("."):
         if not isinstance(d, dict) or part not in d:
@@ -325,7 +317,8 @@ def fmt_value(value: Any, digits: int) -> str:
 
 
 def _metric(metrics: dict[str, dict], key: str, digits: int, unit: str = "") -> str:
-    """A value cell bound to ``metrics/<scene>/<stage>.json``: ``data-metric="<stage>.<path>"`` (tests compare)."""
+    """A value cell bound to ``metrics/<scene>/<stage>.json``: ``data-metric="<stage>.<path>"`` (tests compare);
+    ``n/a`` for a measure the stage could not take (left out of that file, null in its info file)."""
     stage, _, path = key.partition(".")
     value = _get(metrics.get(stage, {}), path)
     text = fmt_value(value, digits)
@@ -384,7 +377,7 @@ def build_report(paths: ScenePaths, cfg: ReportConfig | None = None, *, max_psnr
     cfg = cfg if cfg is not None else ReportConfig()
     bundle = load_bundle()  # first: a missing viewer script is the one error a user must fix before anything else
     stages = ("ingest", "sfm", "split", "train", "prune", "evaluate", "export")
-    metrics = {s: _read_json(paths.metrics_json(s)) for s in stages}
+    metrics = {s: records.read(paths, s) for s in stages}  # numbers and texts (metrics/S/info/) of each stage
     if not metrics["evaluate"]:
         raise UserError(f"{paths.metrics_json('evaluate')} is missing: run the evaluate stage first "
                         f"(`dvc repro evaluate@{paths.scene}`)")
@@ -572,7 +565,7 @@ controls: <code>splatflow view {html.escape(paths.scene)}</code>.</p>
 
 def headline(paths: ScenePaths) -> dict[str, Any]:
     """The few numbers a dashboard shows for a scene run (None where a stage has not written them)."""
-    m = {s: _read_json(paths.metrics_json(s)) for s in ("sfm", "train", "prune", "evaluate", "export")}
+    m = {s: records.read(paths, s) for s in ("sfm", "train", "prune", "evaluate", "export")}
     ev = m["evaluate"]
     lpips = {k: ev.get(k) for k in LPIPS_NAMES if k in ev}
     return {"psnr": ev.get("psnr"), "ssim": ev.get("ssim"), **lpips, "gaussians": ev.get("gaussians"),

@@ -7,8 +7,6 @@ same way lives here, so that a stage run by ``dvc repro``, by a Prefect task or 
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
 import random
 import sys
@@ -16,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from splatflow import progress, stop, tracking
+from splatflow import progress, records, stop, tracking
 from splatflow.config import ConfigError, Params, load_params
 from splatflow.errors import UserError, fail
 from splatflow.orchestrate.workspace import WorkspaceBusy, busy_message, foreign_writer
@@ -26,27 +24,10 @@ from splatflow.runtime_env import peak_rss_mb
 RunFn = Callable[[Params, ScenePaths], dict]
 
 
-def _json_safe(value):
-    """NaN/Inf are not JSON; DVC and MLflow both choke on them, so they become null."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {str(k): _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    if hasattr(value, "item") and callable(value.item):  # numpy / torch scalars
-        return _json_safe(value.item())
-    return value
-
-
 def write_metrics(paths: ScenePaths, stage: str, metrics: dict) -> Path:
-    """Write one stage's metrics dict, once, to ``metrics/<scene>/<stage>.json`` (atomically)."""
-    out = paths.metrics_json(stage)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(_json_safe(metrics), indent=2, sort_keys=False) + "\n")
-    os.replace(tmp, out)
-    return out
+    """Write one stage's result dict, once: its numbers to ``metrics/<scene>/<stage>.json`` and the rest to
+    ``metrics/<scene>/info/<stage>.json`` (:mod:`splatflow.records`; NaN/Inf become null in the info file)."""
+    return records.write(paths, stage, metrics)[0]
 
 
 def seed_everything(seed: int) -> None:

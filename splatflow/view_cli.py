@@ -6,12 +6,12 @@ commands. A bad input raises :class:`~splatflow.errors.UserError`, which the CLI
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
 import typer
 
+from splatflow import records
 from splatflow.config import load_params
 from splatflow.errors import UserError
 from splatflow.paths import ScenePaths, project_root, require_project_root
@@ -108,15 +108,8 @@ def metrics_cmd(
         raise UserError("no scene has metrics yet: run the pipeline first (`splatflow run SCENE`, or `make demo`)")
 
     def load(scene: str) -> dict[str, dict]:
-        d = ScenePaths(scene, root).metrics_dir
-        out = {}
-        for f in sorted(d.glob("*.json")) if d.is_dir() else []:
-            try:
-                out[f.stem] = json.loads(f.read_text())
-            except (OSError, ValueError) as e:
-                raise UserError(f"{f}: not readable as JSON ({e}); rerun its stage (`splatflow run {scene} "
-                                "--force`)") from None
-        return out
+        paths = ScenePaths(scene, root)
+        return {f.stem: records.read_numbers(paths, f.stem) for f in records.stage_metric_files(paths)}
 
     data = {s: load(s) for s in names}
     width = max(8, *(len(s) for s in names))
@@ -142,7 +135,7 @@ def metrics_cmd(
             key = f"{pre}{k}"
             if isinstance(v, dict):
                 yield from flat(v, key + ".")
-            elif v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)):
+            elif records.is_number(v):
                 yield key, v
 
     for s in names:
@@ -150,5 +143,5 @@ def metrics_cmd(
         for stage in stages:
             typer.echo(f"\n{s} / {stage}  (metrics/{s}/{stage}.json)")
             for key, v in flat(data[s][stage]):
-                text = "null" if v is None else f"{v:,}" if isinstance(v, int) else f"{v:.6g}"
+                text = f"{v:,}" if isinstance(v, int) else f"{v:.6g}"
                 typer.echo(f"  {key:60s} {text:>16s}")

@@ -1,12 +1,15 @@
 """DVC stage `evaluate`: the pruned model scored on the split's test views (docs/design.md §6).
 
 Reads ``models/<scene>/prune/ckpt.pt``, ``data/<scene>/undistorted`` and ``data/<scene>/split.json``; writes
-``metrics/<scene>/evaluate.json`` (means + protocol), ``metrics/<scene>/per_view.csv`` (pandera-validated) and
+``metrics/<scene>/evaluate.json`` (the means; the protocol and any LPIPS variant's reason for being n/a go to
+``metrics/<scene>/info/evaluate.json``), ``metrics/<scene>/headline.json`` (the scene's headline numbers, train's
+time included: :data:`splatflow.records.HEADLINE`), ``metrics/<scene>/per_view.csv`` (pandera-validated) and
 ``data/<scene>/renders/<view>.png`` (render | ground truth | error map). The work is in :mod:`splatflow.evaluate`.
 """
 
 from __future__ import annotations
 
+from splatflow import records
 from splatflow.config import Params
 from splatflow.evaluate import evaluate_scene
 from splatflow.paths import ScenePaths
@@ -32,7 +35,8 @@ def run(params: Params, paths: ScenePaths) -> dict:
                              train_json=paths.metrics_json("train"), scene=scene, resolution=resolution)
     print(f"evaluate [{paths.scene}]: {summary_line(summary, cfg.lpips_variants)}")
     for v, why in summary["protocol"]["lpips_null_reasons"].items():
-        print(f"evaluate [{paths.scene}]: {v} is null: {why}")
+        print(f"evaluate [{paths.scene}]: {v} n/a (left out of evaluate.json): {why}")
+    records.write_headline(paths, {"evaluate": summary, "train": records.read_numbers(paths, "train")})
     return summary
 
 
@@ -40,7 +44,7 @@ def summary_line(summary: dict, lpips_variants) -> str:
     """``3 test views: PSNR 21.71 dB, SSIM 0.5436, lpips_alex 0.1234; 56.5 FPS, 463 Gaussians`` (no LPIPS part when
     ``evaluate.lpips_variants`` is empty)."""
     scores = [f"PSNR {summary['psnr']:.2f} dB", f"SSIM {summary['ssim']:.4f}"]
-    scores += [f"{v} {summary[v]:.4f}" if summary[v] is not None else f"{v} null" for v in lpips_variants]
+    scores += [f"{v} {summary[v]:.4f}" if summary[v] is not None else f"{v} n/a" for v in lpips_variants]
     return (f"{summary['test_views']} test views: {', '.join(scores)}; {summary['fps']:.1f} FPS, "
             f"{summary['gaussians']} Gaussians")
 

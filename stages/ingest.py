@@ -10,6 +10,7 @@ from pathlib import Path
 
 from splatflow.config import Params
 from splatflow.errors import UserError
+from splatflow import records
 from splatflow.paths import ScenePaths
 from splatflow.scene import colmap
 from splatflow.scene.ingest import ingest, reads_subfolders, write_image_folders
@@ -54,12 +55,15 @@ def run(params: Params, paths: ScenePaths) -> dict:
         print(f"ingest [{paths.scene}]: read {len(per_folder)} folder(s) (sfm.camera_mode = {params.sfm.camera_mode}"
               "; one camera each): " + ", ".join(f"{f or '.'} ({n})" for f, n in per_folder.items()))
     summary = result.summary_lines()
-    for line in summary:  # one line per reason; each file with its detail is in ingest.json
+    for line in summary:  # one line per reason; each file with its detail is in metrics/S/info/ingest.json
         print(f"ingest [{paths.scene}]: {line}")
     if summary:
-        print(f"ingest [{paths.scene}]: details per file: {paths.metrics_json('ingest')} (\"rejected\", \"ignored\")")
+        print(f"ingest [{paths.scene}]: details per file: {paths.info_json('ingest')} (\"rejected\", \"ignored\")")
     metrics = result.metrics()
     metrics["source"] = params.scene(paths.scene).source  # as written in params.yaml: same on every clone
+    # counts keyed by data (one DVC column per distinct size or reason): the info file keeps them whole
+    for key in ("image_sizes", "rejected_by_reason"):
+        metrics[key] = records.Info(metrics.get(key) or {})
     # The sfm stage's per-folder cameras read the folders from this file rather than from ingest.json, whose
     # timings change on every run: a rerun of ingest that writes the same images must not rerun SfM.
     write_image_folders(paths.data_dir, metrics["image_folders"])

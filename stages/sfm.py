@@ -6,9 +6,9 @@ Thin shell: the work (and the reasons behind each choice) lives in :mod:`splatfl
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from splatflow import records
 from splatflow.config import Params
 from splatflow.paths import ScenePaths
 from splatflow.scene import colmap
@@ -28,10 +28,9 @@ def _import(params: Params, paths: ScenePaths, gt: Path | None):
     source = _project_path(paths, scene.source)
     model = colmap.model_dir(source, scene.colmap)
     rejected = {}
-    ingest_json = paths.metrics_json("ingest")
-    if ingest_json.exists():  # why ingest rejected a file, to name it when the model references that file
-        rejected = {r["file"]: f"rejected by ingest: {r['reason']}: {r['detail']}"
-                    for r in json.loads(ingest_json.read_text()).get("rejected", [])}
+    # why ingest rejected a file, to name it when the model references that file
+    rejected = {r["file"]: f"rejected by ingest: {r['reason']}: {r['detail']}"
+                for r in records.read_info(paths, "ingest").get("rejected", [])}
     return colmap.import_model(model, paths.images_dir, paths.sparse_dir, paths.undistorted_dir, params.sfm,
                                name_map=colmap.output_name_map(source / "images", params.ingest.image_format),
                                rejected=rejected, threads=params.base.threads, ground_truth=gt)

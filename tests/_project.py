@@ -111,3 +111,12 @@ def tracked_env(root: Path, **extra: str) -> dict:
     env.update({"SPLATFLOW_TRACKING": "on", "MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlflow.db'}", **extra})
     env.pop("MLFLOW_RUN_ID", None)
     return env
+
+
+def stage_record(root: Path, scene: str, stage: str) -> dict:
+    """A stage's whole result: the numbers of ``metrics/<scene>/<stage>.json`` and the texts, settings and lists of
+    ``metrics/<scene>/info/<stage>.json`` in one dict (:func:`splatflow.records.read`)."""
+    from splatflow import records
+    from splatflow.paths import ScenePaths
+
+    return records.read(ScenePaths(scene, root), stage)

@@ -8,6 +8,7 @@ from typer.testing import CliRunner
 from splatflow.cli import app
 from splatflow.orchestrate.dvcrun import stage_order
 from splatflow.config import load_params
+from tests._project import stage_record
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -217,9 +218,8 @@ def test_metrics_table_fits_120_columns_and_offers_the_lpips_weights(project):
     assert max(len(line) for line in lines) <= 120
     assert lines[0].split()[:4] == ["scene", "PSNR", "dB", "SSIM"]
     row = lines[1].split()
-    import json
 
-    ev = json.loads((REPO / "metrics" / "demo" / "evaluate.json").read_text())
+    ev = stage_record(REPO, "demo", "evaluate")
     assert row[0] == "demo" and row[1] == f"{ev['psnr']:.2f}" and row[4] == f"{ev['gaussians']:,}"
     if ev["lpips_alex"] is None:
         assert row[3] == "n/a" and "splatflow weights fetch" in r.output

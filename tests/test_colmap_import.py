@@ -465,7 +465,7 @@ def test_dvc_pipeline_imports_a_colmap_dataset_and_reruns_when_its_model_changes
 
     import yaml
 
-    from tests._project import dvc, make_project
+    from tests._project import dvc, make_project, stage_record
 
     root = make_project(tmp_path / "proj", scene="garden",
                         scene_options=dict(n_views=10, width=W, height=H, arc_deg=60.0, n_points=2000))
@@ -478,8 +478,8 @@ def test_dvc_pipeline_imports_a_colmap_dataset_and_reruns_when_its_model_changes
     first = dvc(root, "repro", "split@garden")
     assert re.findall(r"Running stage '([^']+)'", first.stdout) == ["settings@garden", "ingest@garden", "sfm@garden",
                                                                                   "split@garden"]
-    sfm = json.loads((root / "metrics/garden/sfm.json").read_text())
-    ingest = json.loads((root / "metrics/garden/ingest.json").read_text())
+    sfm = stage_record(root, "garden", "sfm")
+    ingest = stage_record(root, "garden", "ingest")
     assert sfm["source"] == "imported" and sfm["images_registered"] == 10
     assert ingest["levels"]["images_4"] == {"copied": 10} and len(list((root / "data/garden/images_4").iterdir())) == 10
     assert json.loads((root / "data/garden/split.json").read_text())["test"] == ["0003.jpg", "0006.jpg"]
@@ -492,7 +492,7 @@ def test_dvc_pipeline_imports_a_colmap_dataset_and_reruns_when_its_model_changes
         (dataset / "sparse/0" / extra).unlink()
     second = dvc(root, "repro", "split@garden")
     assert "sfm@garden" in re.findall(r"Running stage '([^']+)'", second.stdout)
-    assert json.loads((root / "metrics/garden/sfm.json").read_text())["points3d"] == sfm["points3d"] - 1
+    assert stage_record(root, "garden", "sfm")["points3d"] == sfm["points3d"] - 1
 
 
 def test_an_empty_or_damaged_model_file_is_named_with_the_fix(raw_scene, tmp_path, no_sfm):

@@ -9,7 +9,6 @@ Also here: checkpoints are device-independent (every tensor saved on the CPU, lo
 ``map_location``), the run records what ran, and the CUDA-marked tests that a GPU machine runs.
 """
 
-import json
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -198,7 +197,7 @@ def test_tiny_training_on_cuda(scene, tmp_path, strategy):
 
 
 def test_backend_cuda_without_a_gpu_stops_the_stage_like_any_user_error(tmp_path):
-    from tests._project import make_project, run
+    from tests._project import make_project, run, stage_record
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
@@ -239,8 +238,8 @@ def test_whole_pipeline_on_cuda_matches_the_cpu_run(tmp_path):
             "train": {**small, "backend": backend}, "prune": {"backend": backend, "phases": 1},
             "evaluate": {"backend": backend, "lpips_variants": []}})
         dvc(root, "repro")
-        ev = json.loads((root / "metrics" / "tiny" / "evaluate.json").read_text())
-        tr = json.loads((root / "metrics" / "tiny" / "train.json").read_text())
+        ev = stage_record(root, "tiny", "evaluate")
+        tr = stage_record(root, "tiny", "train")
         assert tr["device"]["backend"] == backend and ev["device"]["backend"] == backend
         if backend == "cuda":
             assert tr["device"]["gpu_peak_allocated_mib"] > 0 and ev["device"]["gpu_peak_reserved_mib"] > 0

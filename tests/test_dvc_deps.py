@@ -5,9 +5,10 @@ A module missing from a stage's deps means an edit to it reruns nothing while ``
 outputs came from the new code. The imports are read statically (``ast``) from ``stages/<name>.py`` and followed
 through the ``splatflow`` package, function-level imports included, since the stages import their heavy modules
 lazily. Only the plumbing that cannot change an output is not followed: the stage shell, tracking, paths, errors
-the stop flag, the process defaults of ``runtime_env`` (they decide where files and kernel caches go, what is
-logged, how idle threads wait and when a stage stops, never what it computes) and the live view that watches a
-training run (it reads the model only: tests/test_live_view.py checks a watched run's parameters are the same).
+the stop flag, the process defaults of ``runtime_env`` and ``records`` (which of a stage's two files a value is
+written to) (they decide where files and kernel caches go, what is logged, how idle threads wait and when a stage
+stops, never what it computes), and the live view that watches a training run (it reads the model only:
+tests/test_live_view.py checks a watched run's parameters are the same).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 PLUMBING = {"splatflow/stage.py", "splatflow/tracking.py", "splatflow/paths.py", "splatflow/errors.py",
-            "splatflow/stop.py", "splatflow/runtime_env.py", "splatflow/progress.py", "splatflow/live_view.py",
+            "splatflow/records.py", "splatflow/live_view.py",
+            "splatflow/stop.py", "splatflow/runtime_env.py", "splatflow/progress.py",
             *(f"splatflow/tracking/{p.name}" for p in (REPO / "splatflow" / "tracking").glob("*.py"))}
 #: What ``stage_main`` itself reads from params for every stage (seeding), and for stages that pin thread counts.
 SHELL_READS = {"base.seed", "base.scenes"}  # seeding, and the scene's own params overrides (Params.for_scene)
@@ -252,7 +254,7 @@ def test_each_stage_gets_its_share_of_the_scene_entry():
 
     stages = _stages()
     writes = [o if isinstance(o, str) else next(iter(o)) for o in stages["settings"]["do"]["outs"]]
-    assert writes == [f"data/${{key}}/settings/{s}.json" for s in STAGE_PARAMS]
+    assert writes == [f"data/${{key}}/settings/{s}.json" for s in STAGE_PARAMS] + ["metrics/${key}/info/settings.json"]
     assert "base.scenes.${key}" in _param_keys(stages["settings"])
     for stage, sections in STAGE_PARAMS.items():
         entry = stages[stage]

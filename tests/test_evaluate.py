@@ -22,6 +22,7 @@ from splatflow.paths import ScenePaths
 from splatflow.scene.synthetic import write_colmap_text_model
 from splatflow.stage import write_metrics
 from stages import evaluate as evaluate_stage
+from tests._project import stage_record
 
 W, H = 48, 36
 
@@ -103,7 +104,7 @@ def test_render_equal_to_gt_scores_perfect_and_only_test_views_are_read(tmp_path
     write_metrics(paths, "evaluate", summary)
 
     assert sorted(opened) == sorted(test)  # training images (undecodable bytes) were never opened
-    out = json.loads(paths.metrics_json("evaluate").read_text())
+    out = stage_record(paths.root, paths.scene, "evaluate")
     assert out["test_views"] == 3 and out["gaussians"] == 150
     assert out["psnr"] > 45  # only 8-bit rounding of the ground truth differs
     assert out["ssim"] > 0.995
@@ -179,4 +180,4 @@ def test_summary_line_without_lpips_has_no_empty_item():
     assert evaluate_stage.summary_line(summary, []) == \
         "3 test views: PSNR 21.71 dB, SSIM 0.5436; 56.5 FPS, 463 Gaussians"
     assert evaluate_stage.summary_line(summary, ["lpips_alex", "lpips_vgg"]) == \
-        "3 test views: PSNR 21.71 dB, SSIM 0.5436, lpips_alex 0.1235, lpips_vgg null; 56.5 FPS, 463 Gaussians"
+        "3 test views: PSNR 21.71 dB, SSIM 0.5436, lpips_alex 0.1235, lpips_vgg n/a; 56.5 FPS, 463 Gaussians"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import pytest
@@ -15,6 +14,7 @@ from splatflow.model import save_checkpoint
 from splatflow.paths import ScenePaths
 from splatflow.stage import write_metrics
 from stages import export as export_stage
+from tests._project import stage_record
 
 
 def _splats(n=400, degree=3, seed=0):
@@ -33,7 +33,7 @@ def test_export_stage_writes_verified_files_and_metrics(tmp_path):
     metrics = export_stage.run(Params(), paths)
     write_metrics(paths, "export", metrics)
 
-    out = json.loads(paths.metrics_json("export").read_text())
+    out = stage_record(paths.root, paths.scene, "export")
     assert set(out["files"]) == {"ply", "splat", "spz"}
     for fmt, info in out["files"].items():
         f = paths.export_dir / f"scene.{fmt}"

@@ -19,6 +19,7 @@ from splatflow import prune, scoring
 from splatflow.config import PruneConfig, TrainConfig
 from splatflow.model import Splats, load_checkpoint, load_splats, render_view, save_checkpoint
 from splatflow.render.projection import project_gaussians
+from tests._project import stage_record
 
 W, H = 64, 48
 K = np.array([[60.0, 0.0, 32.0], [0.0, 60.0, 24.0], [0.0, 0.0, 1.0]])
@@ -416,7 +417,7 @@ def test_stage_main_writes_checkpoint_and_metrics(scene_files, tmp_path):
                         "max_psnr_drop_db": 5.0, "backend": BACKEND, "progress": False}}
     (root / "params.yaml").write_text(yaml.safe_dump(params))
     stage.main(["t", "--params", str(root / "params.yaml")])
-    m = json.loads(paths.metrics_json("prune").read_text())
+    m = stage_record(paths.root, paths.scene, "prune")
     assert m["gaussians_before"] == 100 and m["gaussians_after"] == 30 and len(m["phases"]) == 1
     assert m["val_views"] == 2 and m["val_psnr_after"] > 25
     assert load_splats(paths.prune_ckpt)[0]["means"].shape == (30, 3)

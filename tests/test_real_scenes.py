@@ -7,14 +7,13 @@ protocol's resolution, not the quality (bench/real_scenes.py measures that with 
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests._project import REPO, dvc, make_project
+from tests._project import REPO, dvc, make_project, stage_record
 
 STRECHA = Path(os.environ.get("SPLATFLOW_STRECHA_DIR", REPO.parent / "shared" / "data" / "strecha"))
 SCENE = STRECHA / "fountain-P11"
@@ -35,7 +34,7 @@ def test_fountain_through_seven_stages_at_downscale_4(tmp_path):
                                              "ground_truth": str(SCENE / "gt_dense_cameras")}}
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     dvc(root, "repro", "evaluate@fountain", "export@fountain")  # the seven stages (report needs the web build)
-    m = {s: json.loads((root / f"metrics/fountain/{s}.json").read_text())
+    m = {s: stage_record(root, "fountain", s)
          for s in ("ingest", "sfm", "split", "train", "prune", "evaluate", "export")}
     assert m["ingest"]["images_kept"] == 11  # K.txt in the folder is rejected as not an image
     assert m["sfm"]["images_registered"] == 11 and m["sfm"]["camera_center_error_rel"] < 0.01

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 
 import cv2
 import numpy as np
@@ -209,7 +208,7 @@ def test_evaluate_json_states_resolution_source_and_8bit(tmp_path):
         params = params_from_dict({"base": {"resolution": {"downscale": 2}},
                                    "evaluate": {"lpips_variants": [], "backend": "cpu", "quantize_8bit": quantize}})
         write_metrics(paths, "evaluate", evaluate_stage.run(params, paths))
-        out = json.loads(paths.metrics_json("evaluate").read_text())
+        out = stage_record(paths.root, paths.scene, "evaluate")
         prot = out["protocol"]
         assert prot["image_sizes"] == ["48x36"]
         assert prot["resolution"]["sizes"] == ["48x36"] and prot["resolution"]["full_sizes"] == ["96x72"]
@@ -223,7 +222,7 @@ def test_evaluate_json_states_resolution_source_and_8bit(tmp_path):
 def test_train_and_evaluate_at_downscale_2_through_dvc(tmp_path):
     """The tiny scene (320x240) through `dvc repro` at downscale 2: train, prune and evaluate work at 160x120,
     the metrics say so, and every stage reports its peak memory."""
-    from tests._project import dvc, make_project
+    from tests._project import dvc, make_project, stage_record
 
     root = make_project(tmp_path / "proj", overrides={
         "base": {"resolution": {"downscale": 2, "max_side_px": None, "default_max_side_px": 1600}},
@@ -231,7 +230,7 @@ def test_train_and_evaluate_at_downscale_2_through_dvc(tmp_path):
         "prune": {"phases": 1, "finetune_steps": 5, "progress": False},
         "evaluate": {"lpips_variants": []}})
     dvc(root, "repro", "evaluate@tiny")
-    m = {s: json.loads((root / f"metrics/tiny/{s}.json").read_text())
+    m = {s: stage_record(root, "tiny", s)
          for s in ("ingest", "sfm", "split", "train", "prune", "evaluate")}
     for stage, metrics in m.items():
         assert metrics["peak_rss_mb"] > 50, stage

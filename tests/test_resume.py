@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from splatflow.model import SPLAT_KEYS
-from tests._project import drill_project, run, tracked_env
+from tests._project import drill_project, run, stage_record, tracked_env
 
 pytestmark = pytest.mark.slow  # runs the pipeline through DVC
 
@@ -104,24 +104,20 @@ def test_kill9_during_training_reap_then_resume_equals_uninterrupted(proj):
     assert _runs(proj, "train")[0].info.status == "KILLED"
 
     p = _stage(proj, "train")
-    import json
-
-    m = json.loads((proj / "metrics" / SCENE / "train.json").read_text())
+    m = stage_record(proj, SCENE, "train")
     assert m["resumed_from"] >= killed_step and m["steps"] == 100, p.stdout
     _assert_same(_splats(ckpt), full)
     assert _runs(proj, "train")[0].info.status == "FINISHED"
 
 
 def test_kill9_during_prune_continues_after_the_last_finished_phase(proj):
-    import json
-
     if not (proj / "models" / SCENE / "train" / "ckpt.pt").exists():
         _stage(proj, "train")
     out_ckpt = proj / "models" / SCENE / "prune" / "ckpt.pt"
     phases = proj / "models" / SCENE / "prune" / "phases.pt"
     _stage(proj, "prune")  # uninterrupted
     full = _splats(out_ckpt)
-    full_metrics = json.loads((proj / "metrics" / SCENE / "prune.json").read_text())
+    full_metrics = stage_record(proj, SCENE, "prune")
     assert not phases.exists()  # removed once the result is written
     assert len(full_metrics["phases"]) >= 2, "the test needs a kill between two phases"
 
@@ -133,7 +129,7 @@ def test_kill9_during_prune_continues_after_the_last_finished_phase(proj):
 
     p = _stage(proj, "prune")
     assert f"continued after phase {saved['next_phase'] - 1}" in p.stdout
-    m = json.loads((proj / "metrics" / SCENE / "prune.json").read_text())
+    m = stage_record(proj, SCENE, "prune")
     assert m["resumed_after_phase"] == saved["next_phase"] - 1
     _assert_same(_splats(out_ckpt), full)
     assert [ph["val_psnr"] for ph in m["phases"]] == pytest.approx([ph["val_psnr"] for ph in full_metrics["phases"]])
@@ -144,7 +140,6 @@ def test_a_truncated_checkpoint_is_moved_aside_and_training_says_where_it_starts
     """A checkpoint cut short (a full disk, a copy that stopped) cannot be resumed: the stage keeps the file under
     another name, says what it found and where it moved it, and trains from step 0 instead of starting over
     silently."""
-    import json
 
     ckpt = proj / "models" / SCENE / "train" / "ckpt.pt"
     if not ckpt.exists():
@@ -159,6 +154,6 @@ def test_a_truncated_checkpoint_is_moved_aside_and_training_says_where_it_starts
     aside = list(ckpt.parent.glob("ckpt.pt.unreadable-*"))
     assert len(aside) == 1 and f"moved it to {aside[0]}" in err, err
     assert aside[0].read_bytes() == bad  # kept as it was found
-    m = json.loads((proj / "metrics" / SCENE / "train.json").read_text())
+    m = stage_record(proj, SCENE, "train")
     assert m["resumed_from"] is None and m["steps"] == 100
     assert torch.load(ckpt, weights_only=False)["step"] == 100  # a new, readable checkpoint took its place

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import yaml
 
-from tests._project import BIN, dvc, make_project, run
+from tests._project import BIN, dvc, make_project, run, stage_record
 
 pytestmark = pytest.mark.slow
 
@@ -63,7 +63,7 @@ def _repro_to_export(root: Path, name: str) -> tuple[dict, float]:
     seconds = time.perf_counter() - t0
     ran = re.findall(r"Running stage '([^']+)'", out)
     assert sorted(ran) == sorted(f"{s}@{name}" for s in ("settings", *STAGES)), out
-    m = {s: json.loads((root / f"metrics/{name}/{s}.json").read_text()) for s in STAGES}
+    m = {s: stage_record(root, name, s) for s in STAGES}
     ply = m["export"]["files"]["ply"]
     from plyfile import PlyData
 
@@ -169,7 +169,7 @@ def test_rig_in_sub_folders(tmp_path):
     out = dvc(root, "repro", "split@rig").stdout
     assert sorted(re.findall(r"Running stage '([^']+)'", out)) == ["ingest@rig", "settings@rig", "sfm@rig",
                                                                                "split@rig"], out
-    m = {s: json.loads((root / f"metrics/rig/{s}.json").read_text()) for s in ("ingest", "sfm")}
+    m = {s: stage_record(root, "rig", s) for s in ("ingest", "sfm")}
     assert sorted(m["ingest"]["image_folders"]) == sorted(truth) and m["ingest"]["ignored"] == []
     assert m["sfm"]["images_registered"] == 16
     cams = sorted((c["folder"], c["images"]) for c in m["sfm"]["cameras"])

@@ -17,6 +17,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterable
 
+from splatflow import records
 from splatflow.config import flatten, params_from_dict, section_dict
 from splatflow.orchestrate.plots import render_csv_png
 from splatflow.paths import ScenePaths
@@ -241,9 +242,8 @@ def log_files(cl, run_id: str, root: Path, files: Iterable[Path]) -> int:
 
 def scene_metrics(root: Path, scene: str) -> dict[str, float]:
     """Every stage's current final metrics of ``scene`` (``metrics/<scene>/*.json``) as ``<stage>.<name>``."""
-    mdir = ScenePaths(scene, root).metrics_dir
     out: dict[str, float] = {}
-    for f in sorted(mdir.glob("*.json")) if mdir.exists() else []:
+    for f in records.stage_metric_files(ScenePaths(scene, root)):
         with contextlib.suppress(Exception):
             out.update(numeric_metrics(json.loads(f.read_text()), f.stem))
     return out

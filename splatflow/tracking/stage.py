@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from splatflow import stop
+from splatflow import records, stop
 from splatflow.tracking import steps
 from splatflow.tracking.metadata import (artifact_files, backend_tags, device_tags, dvc_lock_tags, flatten_params,
                                          log_files, log_train_plot, numeric_metrics, process_tags, stage_sections)
@@ -38,10 +38,12 @@ class StageTracker:
         return self.client is not None and self.run_id is not None
 
     def log_result(self, metrics: dict) -> None:
-        """Log a stage's final metrics as ``<stage>.<name>`` (called by stage_main after ``run``)."""
+        """Log a stage's final metrics as ``<stage>.<name>`` (called by stage_main after ``run``): the numbers of
+        ``metrics/<scene>/<stage>.json``; the device record's strings become tags, and the info file (a stage out)
+        an artifact."""
         self.result = dict(metrics or {})
         if self.active:
-            new = numeric_metrics(self.result, self.stage)
+            new = numeric_metrics(records.split(self.result)[0], self.stage)
             stale = self._safe(self._stale_keys, new) or []
             self._safe(log_batch, self.client, self.run_id, metrics={**new, **dict.fromkeys(stale, float("nan"))},
                        tags=device_tags(self.stage, self.result))

@@ -264,7 +264,7 @@ class PruneDuring:
                 "gaussians_before": self.n_ref, "val_psnr_before": self.psnr_ref,
                 "gaussians_after": kept[-1]["gaussians"] if kept else self.n_ref,
                 "phases": [dict(r) for r in self.records], "cuts": self.done,
-                "stopped_early": self.stop_reason is not None and self.judged > len(kept),
+                "stopped_early": int(self.stop_reason is not None and self.judged > len(kept)),  # 0/1
                 "stop_reason": self.stop_reason}
 
     def state_dict(self) -> dict:
@@ -296,7 +296,7 @@ def verify(record: dict, splats: Splats, val_psnr: float) -> dict:
         "size_mb_before": round(n0 * per_gaussian_mib, 4), "size_mb_after": round(n * per_gaussian_mib, 4),
         # the before/after PSNRs of training's phases are on training's early-stop views (train.early_stop)
         "val_psnr_before": record.get("val_psnr_before"), "val_psnr_after": val_psnr,
-        "phases": record.get("phases", []), "stopped_early": bool(record.get("stopped_early")),
+        "phases": record.get("phases", []), "stopped_early": int(bool(record.get("stopped_early"))),
         "stop_reason": ("pruned during training (train.prune_during): verified and copied"
                         + (f"; {record['stop_reason']}" if record.get("stop_reason") else "")),
     }
