@@ -206,8 +206,10 @@ def serve(pool: str = typer.Option("splatflow", help="process work pool name"),
           host: str = typer.Option("127.0.0.1", help="--shared: address the servers bind to"),
           advertise: Optional[str] = typer.Option(None, help="--shared: the name other hosts reach this one by "
                                                   "(default: --host)"),
-          prefect_port: int = typer.Option(servers.PREFECT_PORT, min=1, max=65535, help="--shared: Prefect server port"),
-          mlflow_port: int = typer.Option(servers.MLFLOW_PORT, min=1, max=65535, help="--shared: MLflow server port"),
+          prefect_port: int = typer.Option(servers.PREFECT_PORT, min=1, max=65535,
+                                           help="--shared: Prefect server port"),
+          mlflow_port: int = typer.Option(servers.MLFLOW_PORT, min=1, max=65535,
+                                          help="--shared: MLflow server port"),
           pg_port: int = typer.Option(5432, min=1, max=65535, help="--shared: PostgreSQL port"),
           state_dir: Optional[Path] = typer.Option(None, help="--shared: databases, artifacts, logs (default: "
                                                    "~/.local/share/splatflow/shared)"),
