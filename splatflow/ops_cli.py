@@ -214,10 +214,13 @@ def serve(pool: str = typer.Option("splatflow", help="process work pool name"),
           state_dir: Optional[Path] = typer.Option(None, help="--shared: databases, artifacts, logs (default: "
                                                    "~/.local/share/splatflow/shared)"),
           dvc_remote: Optional[str] = typer.Option(None, help="--shared: the DVC remote hosts share (default: "
-                                                   "STATE_DIR/dvc-remote; or ssh://..., s3://...)")):
+                                                   "STATE_DIR/dvc-remote; or ssh://..., s3://...)"),
+          start_timeout: float = typer.Option(300.0, min=1.0, help="--shared: seconds each server may take to "
+                                              "answer before start-up is abandoned (a loaded host needs more)")):
     """Create the work pool and deployments, start workers, and serve the scheduled batch until Ctrl-C."""
     if shared:
-        return _serve_shared(pool, host, advertise, prefect_port, mlflow_port, pg_port, state_dir, dvc_remote)
+        return _serve_shared(pool, host, advertise, prefect_port, mlflow_port, pg_port, state_dir, dvc_remote,
+                             start_timeout)
     _use_local_prefect_server()
     if not os.environ.get("PREFECT_API_URL"):
         raise UserError("`serve` needs a Prefect server: run `splatflow ui` first (or set PREFECT_API_URL)")
@@ -255,7 +258,7 @@ def serve(pool: str = typer.Option("splatflow", help="process work pool name"),
 
 
 def _serve_shared(pool: str, host: str, advertise: Optional[str], prefect_port: int, mlflow_port: int, pg_port: int,
-                  state_dir: Optional[Path], dvc_remote: Optional[str]) -> None:
+                  state_dir: Optional[Path], dvc_remote: Optional[str], start_timeout: float = 300.0) -> None:
     """``serve --shared``: the shared services until Ctrl-C or SIGTERM (docs/orchestration.md, "Hosts")."""
     from splatflow.orchestrate import hosts  # lazy: MLflow (hosts imports splatflow.tracking)
 
@@ -265,7 +268,8 @@ def _serve_shared(pool: str, host: str, advertise: Optional[str], prefect_port: 
     typer.echo(f"starting PostgreSQL, Prefect and MLflow in {state} ...")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # during start-up: start_shared stops what it started
     stack = shared.start_shared(state, host=host, advertise=advertise, prefect_port=prefect_port,
-                                mlflow_port=mlflow_port, pg_port=pg_port, dvc_remote=dvc_remote)
+                                mlflow_port=mlflow_port, pg_port=pg_port, dvc_remote=dvc_remote,
+                                timeout_s=start_timeout)
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("now", True))
     try:
