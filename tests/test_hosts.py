@@ -25,7 +25,7 @@ import yaml
 from tests import _hosts
 from tests._project import BIN, run
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
 SCENES = ("a", "b", "c")
 
