@@ -39,6 +39,10 @@ from splatflow.orchestrate import postgres, servers
 from tests._project import BIN, init_repo, run
 from tests.test_tracking import DVC_YAML, FAKE_STAGE
 
+#: tests/test_tracking.py's two toy stages, their steps read from toy.yaml (params.yaml is the product's).
+TOY_DVC_YAML = (DVC_YAML.replace("        - one\n", "        - toy.yaml:\n          - one\n")
+                .replace("        - two\n", "        - toy.yaml:\n          - two\n"))
+
 REPO = Path(__file__).resolve().parents[1]
 SSHD = Path("/usr/sbin/sshd")
 #: Console scripts a host venv needs from the test venv (the host's own ``splatflow`` comes from its clone).
@@ -177,13 +181,15 @@ def ssh_server(folder: Path) -> Iterator[SSHServer]:
 
 def make_user_project(root: Path, origin: Path, scenes: tuple[str, ...]) -> Path:
     """The toy project with a copy of the library (each host installs its own clone's), its raw captures added to
-    DVC (the hosts pull them), pushed to the bare git remote ``origin`` the hosts clone from."""
+    DVC (the hosts pull them), pushed to the bare git remote ``origin`` the hosts clone from.  Its params.yaml is
+    the product's (the CLI checks it) with the toy scenes; the toy stages read their steps from ``toy.yaml``."""
     root.mkdir(parents=True)
-    (root / "fake_stage.py").write_text(FAKE_STAGE)
-    (root / "dvc.yaml").write_text(DVC_YAML)
-    params = {"base": {"scenes": {s: {"source": f"raw/{s}"} for s in scenes}, "seed": 0},
-              "one": {"steps": 3}, "two": {"steps": 2}}
-    (root / "params.yaml").write_text(json.dumps(params, indent=1))
+    (root / "fake_stage.py").write_text(FAKE_STAGE.replace('open("params.yaml")', 'open("toy.yaml")'))
+    (root / "dvc.yaml").write_text(TOY_DVC_YAML)
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params["base"]["scenes"] = {s: {"source": f"raw/{s}"} for s in scenes}
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    (root / "toy.yaml").write_text(json.dumps({"one": {"steps": 3}, "two": {"steps": 2}}, indent=1))
     (root / ".gitignore").write_text("/mlflow.db\n/mlartifacts/\n/.splatflow/\n/started\n*.egg-info/\n"
                                      "__pycache__/\n")
     (root / "pyproject.toml").write_text(TOY_PYPROJECT)

@@ -124,9 +124,9 @@ def kill_host(proc: subprocess.Popen) -> None:
 def test_a_host_killed_mid_scene_reruns_it_on_the_other(team):
     user = team.user
     # a new commit for scene a's second stage; on host3 that stage hangs, so host3 is killed in the middle of it
-    params = json.loads((user / "params.yaml").read_text())
+    params = json.loads((user / "toy.yaml").read_text())
     params["two"]["steps"] = 4
-    (user / "params.yaml").write_text(json.dumps(params, indent=1))
+    (user / "toy.yaml").write_text(json.dumps(params, indent=1))
     run(["git", "commit", "-qam", "two.steps 4"], user)
     run(["git", "push", "-q", "origin", "HEAD:refs/heads/main"], user)
 
