@@ -184,7 +184,7 @@ def uncached_outs(entries: dict[str, Any], root: Path) -> list[str]:
     cached = set()
     with Repo(str(root)) as repo:
         for stage in repo.index.stages:
-            if stage.name in entries:
+            if getattr(stage, "name", None) in entries:  # a .dvc file's stage has no name
                 cached.update(out.def_path for out in stage.outs if out.use_cache)
     return [out["path"] for entry in entries.values() for out in entry.get("outs") or []
             if out["path"] not in cached]
@@ -282,7 +282,7 @@ def ignore_outputs(root: Path, stages: list[str]) -> None:
 
     with Repo(str(root)) as repo, repo.scm_context(quiet=True):
         for stage in repo.index.stages:
-            if stage.name in stages:
+            if getattr(stage, "name", None) in stages:  # a .dvc file's stage has no name
                 for out in stage.outs:
                     out.ignore()
 
