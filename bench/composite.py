@@ -31,7 +31,6 @@ import torch  # noqa: E402
 
 def binned_view(work: Path, ckpt: Path, view: int, factor: float):
     """The binned tiles of one training view of the checkpoint's model (the kernels' inputs) and its size."""
-    from splatflow.model import Splats
     from splatflow.render import cpu
     from splatflow.render.projection import tile_grid
     from train_step import trainer_from_checkpoint  # bench/ is this script's folder, first on sys.path
@@ -39,7 +38,7 @@ def binned_view(work: Path, ckpt: Path, view: int, factor: float):
     tr = trainer_from_checkpoint(work, ckpt)
     w, h = tr.cache.shape(view, factor)
     _, K = tr.cache.get(view, factor)
-    a = Splats.of(tr.params).activated(3, sh_pair=True)
+    a = tr.state.splats().activated(3, sh_pair=True)
     with torch.no_grad():
         p = cpu.project_cpu(a.means, a.quats, a.scales, a.opacities, a.colors, tr.viewmats[view][None],
                             torch.as_tensor(K, dtype=torch.float32)[None], w, h, near_plane=0.01, far_plane=1e10,

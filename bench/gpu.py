@@ -143,7 +143,7 @@ class CurveRecorder:
     @torch.no_grad()
     def record(self, step: int) -> None:
         from splatflow.metrics import psnr, ssim
-        from splatflow.model import Splats, render_view
+        from splatflow.model import render_view
         from splatflow.scene.resolution import read_view_rgb
 
         tr = self.trainer
@@ -151,8 +151,8 @@ class CurveRecorder:
             torch.cuda.synchronize()
         t = time.perf_counter()
         seconds = t - self.t0 - self.eval_s
-        tr.flush()
-        splats = Splats.of(tr.params).detach()
+        tr.state.flush()
+        splats = tr.state.splats().detach()
         deg = tr.sched.sh.degree(step - 1)
         backend = "cuda" if tr.device.type == "cuda" else "cpu"
         ps, ss, ls = [], [], []

@@ -180,7 +180,7 @@ def main(argv=None):
         from splatflow.train import Trainer
 
         class Forked(Trainer):  # resumes whatever config wrote the checkpoint (the benchmark's fork)
-            def try_resume(self) -> bool:
+            def resume(self) -> bool:
                 self.load_state_dict(load_checkpoint(self.ckpt_path))
                 return True
 

@@ -188,13 +188,13 @@ class PartTimer:
             self.patch(getattr(filt, "BlurredL1SSIMCPU", None), "forward", "blur")
             self.patch(getattr(filt, "BlurredL1SSIMCPU", None), "backward", "blur")
             self.patch(filt, "_ssim_kernel", "SSIM")
-        for opt in trainer.optimizers.values():
+        gs = trainer.state  # the Gaussians' state (splatflow.train.state)
+        for opt in gs.optimizers.values():
             self.patch(opt, "step", "Adam")
-        sparse = getattr(trainer, "sparse", None)  # the sparse step (train.sparse_step): its Adam and its cull
-        if sparse is not None:
-            self.patch(sparse, "step", "Adam")
-            self.patch(sparse, "flush", "Adam")
-            self.patch(mod("splatflow.train.loop"), "candidates", "cull")
+        if gs.sparse is not None:  # the sparse step (train.sparse_step): its Adam and its cull
+            self.patch(gs.sparse, "step", "Adam")
+            self.patch(gs.sparse, "flush", "Adam")
+            self.patch(mod("splatflow.train.views"), "candidates", "cull")
         if trainer.strategy is not None:
             self.patch(trainer.strategy, "step_pre_backward", "strategy")
             self.patch(trainer.strategy, "step_post_backward", "strategy")
@@ -222,7 +222,7 @@ def bench_case(name, n, w, h, steps, tmp, profile=False, blur_sigma=2.4):
                       ExpDecay(1.6e-4, 0.01, 100_000))
     tr = Trainer(scene, cfg, schedules=sched, splats=splats)
     tr.step = 1  # past step 0: the first-backward gradient check is a one-off
-    tr._grad_checked = True
+    tr.checks.grad_checked = True
     return dict(time_steps(tr, steps, profile), name=name, gaussians=n, width=w, height=h, blur_sigma=blur_sigma)
 
 
@@ -295,12 +295,12 @@ def checkpoint_case(work: Path, ckpt: Path, step: int | None, steps: int, profil
     resolution, training window, blur, SH degree; densification statistics accumulate, no refine event is timed),
     with the sparse step (``train.sparse_step``) on or off."""
     tr = trainer_from_checkpoint(work, ckpt, sparse_step=sparse)
-    tr._grad_checked = True
+    tr.checks.grad_checked = True
     if step is not None:
         tr.step = step
     r = time_steps(tr, steps, profile)
     w, h = tr.cache.shape(0, tr.sched.resolution.factor(tr.step))
-    return dict(r, name=f"{ckpt.name}@{tr.step}{'' if sparse else ' dense'}", sparse=sparse, gaussians=tr.params["means"].shape[0], width=w, height=h,
+    return dict(r, name=f"{ckpt.name}@{tr.step}{'' if sparse else ' dense'}", sparse=sparse, gaussians=tr.state.n, width=w, height=h,
                 blur_sigma=tr.sched.blur.sigma(tr.step), patch_max_pixels=tr.window_pixels)
 
 

@@ -37,10 +37,11 @@ from prefect import flow, get_run_logger, task
 from prefect.concurrency.sync import concurrency
 
 from splatflow import tracking
-from splatflow.orchestrate import dvcrun
+from splatflow.orchestrate import dvcrun, hosts
 from splatflow.orchestrate.workspace import resolve_commit
 
 SCENE_DEPLOYMENT = "reconstruct/scene"
+HOST_DEPLOYMENT = "reconstruct/host"
 
 
 @contextlib.contextmanager
@@ -77,14 +78,22 @@ def launch_scene(job: dict[str, Any], deployment: Optional[str], limit: str) -> 
         if deployment:
             from prefect.deployments import run_deployment
 
-            fr = run_deployment(name=deployment, parameters=job, timeout=None, as_subflow=True,
-                                flow_run_name=f"{label}")
+            if job["workspace"] == "host":  # a host may disappear: the scene then reruns on another
+                fr, tries = hosts.run_on_hosts(deployment, job, label, on_line=logger.info)
+            else:
+                fr, tries = run_deployment(name=deployment, parameters=job, timeout=None, as_subflow=True,
+                                           flow_run_name=f"{label}"), 1
             state = fr.state.type.value if fr.state else "UNKNOWN"
             logger.info("%s: flow run %s ended %s", label, fr.name, state)
-            out = {"job": label, "flow_run_id": str(fr.id), "state": state}
+            out = {"job": label, "flow_run_id": str(fr.id), "state": state, "attempts": tries}
             if state != "COMPLETED":
                 out["reason"] = dvcrun.failure_reason(fr.state.message if fr.state else "")
                 logger.error("%s: %s", label, out["reason"])
+            elif job["workspace"] == "host":
+                got = hosts.collect_scene(Path(job["repo"]), str(fr.id), job["scene"], on_line=logger.info)
+                logger.info("%s: ran on %s in %.0f s; %d stages merged into %s", label, got["host"], got["seconds"],
+                            len(got["stages"]), job["repo"])
+                out.update(host=got["host"], seconds=got["seconds"])
             return out
         from flows.reconstruct import reconstruct
 
@@ -104,6 +113,10 @@ def batch(scenes: Optional[list[str]] = None, sweep: Optional[list[dict[str, Any
           commit: str = "HEAD", force: bool = False, stage_timeout_s: Optional[float] = None) -> list[dict]:
     """Reconstruct ``scenes`` (default: every scene in dvc.yaml) for each config of ``sweep``.
 
+    ``deployment=HOST_DEPLOYMENT`` (``reconstruct/host``) runs each scene on a worker host with a clone of its
+    own (docs/orchestration.md, "More than one machine"): the commit must be pushed to the git remote the hosts
+    clone from, and each finished scene's lock entries, metrics and outputs are brought back into this checkout.
+
     ``sweep`` is a list of override dicts (``[{"train.max_steps": 500}, {"train.max_steps": 1000}]``); without it
     each scene runs once with params.yaml as committed.  ``deployment=None`` runs the children in this process
     (no workers needed).  ``force`` reruns every stage even when DVC finds it up to date, and every scene even
@@ -116,6 +129,10 @@ def batch(scenes: Optional[list[str]] = None, sweep: Optional[list[dict[str, Any
     configs: list[dict[str, Any]] = list(sweep or [{}])
     if not scenes:
         raise ValueError(f"no scenes: dvc.yaml in {main_root} has no foreach stages over base.scenes")
+    if deployment == HOST_DEPLOYMENT and any(configs):
+        raise ValueError("a batch on hosts brings each scene's results into your checkout, so it runs params.yaml "
+                         "as committed: drop the sweep (-c), or commit the change, or run the sweep on "
+                         f"{SCENE_DEPLOYMENT}")
 
     jobs = []
     tags = {"splatflow.kind": "batch", "splatflow.scenes": ",".join(scenes), "git.commit": sha,
@@ -125,7 +142,8 @@ def batch(scenes: Optional[list[str]] = None, sweep: Optional[list[dict[str, Any
                             before_end=_summarise) as parent:
         for (scene, (ci, cfg)) in itertools.product(scenes, enumerate(configs)):
             name = scene if len(configs) == 1 else f"{scene}-cfg{ci}"
-            jobs.append({"scene": scene, "repo": str(main_root), "workspace": "worktree", "commit": sha,
+            jobs.append({"scene": scene, "repo": str(main_root), "commit": sha,
+                         "workspace": "host" if deployment == HOST_DEPLOYMENT else "worktree",
                          "overrides": cfg or None, "force": force, "stage_timeout_s": stage_timeout_s,
                          "parent_run_id": parent.run_id, "run_name": name,
                          "tags": {"splatflow.batch_config": str(ci)}, "skip_finished": not force})
@@ -157,16 +175,22 @@ def _summarise(cl, parent_id: str) -> None:
     keys = sorted({k for r in runs for k in r.data.metrics if "/" not in k})
     buf = io.StringIO()
     w = csv.writer(buf)
-    w.writerow(["run_id", "run_name", "scene", "config", "overrides", "status", "skipped", *keys])
+    w.writerow(["run_id", "run_name", "scene", "config", "overrides", "host", "seconds", "status", "skipped", *keys])
     for r in sorted(runs, key=lambda r: r.info.run_name or ""):
         t = r.data.tags
         w.writerow([r.info.run_id, r.info.run_name, t.get("splatflow.scene"), t.get("splatflow.batch_config"),
-                    t.get("splatflow.overrides", ""), r.info.status, t.get("splatflow.skipped", ""),
+                    t.get("splatflow.overrides", ""), t.get("splatflow.host", ""), _seconds(r), r.info.status,
+                    t.get("splatflow.skipped", ""),
                     *[r.data.metrics.get(k, "") for k in keys]])
     with tempfile.TemporaryDirectory() as tmp:
         p = Path(tmp) / "batch_summary.csv"
         p.write_text(buf.getvalue())
         cl.log_artifact(parent_id, str(p))
+
+
+def _seconds(r) -> str:
+    """How long a scene run took (start to end), or '' while it has not ended."""
+    return f"{(r.info.end_time - r.info.start_time) / 1000:.1f}" if r.info.end_time and r.info.start_time else ""
 
 
 def _publish_table(cl, parent_id: str) -> None:
@@ -177,7 +201,8 @@ def _publish_table(cl, parent_id: str) -> None:
     for r in sorted(child_runs(cl, parent_id), key=lambda r: r.info.run_name or ""):
         m, t = r.data.metrics, r.data.tags
         rows.append({"run": r.info.run_name, "scene": t.get("splatflow.scene"),
-                     "overrides": t.get("splatflow.overrides", ""), "status": r.info.status,
+                     "overrides": t.get("splatflow.overrides", ""), "host": t.get("splatflow.host", ""),
+                     "seconds": _seconds(r), "status": r.info.status,
                      "skipped": t.get("splatflow.skipped", ""),
                      "psnr": m.get("evaluate.psnr"), "ssim": m.get("evaluate.ssim"),
                      "gaussians": m.get("evaluate.gaussians"), "train_s": m.get("train.train_seconds"),

@@ -23,7 +23,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from flows.batch import SCENE_DEPLOYMENT, batch
+from flows.batch import HOST_DEPLOYMENT, SCENE_DEPLOYMENT, batch
 from flows.reconstruct import reconstruct
 
 POOL = "splatflow"
@@ -53,6 +53,28 @@ def deploy_scene(repo: str | Path, pool: str = POOL, parameters: Optional[dict[s
                 print_next_steps=False, ignore_warnings=True, tags=["splatflow"],
                 description="One scene through every DVC stage, in a git worktree (worker pool)")
     return SCENE_DEPLOYMENT
+
+
+def deploy_host_scene(pool: str = POOL, parameters: Optional[dict[str, Any]] = None) -> str:
+    """Register ``reconstruct/host`` on the work pool: one scene on a worker host with a clone of its own.
+
+    No code location is recorded: its pull step (``splatflow.orchestrate.hosts.enter_host_clone``) moves each flow
+    run into the clone of the host that runs it (``SPLATFLOW_HOST_CLONE``, set by ``splatflow worker``), so hosts
+    need not share a path, a disk or the deploying machine's layout."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import DeploymentUpdate
+
+    dep = reconstruct.to_deployment(name="host", work_pool_name=pool, parameters={"workspace": "host",
+                                                                                   **(parameters or {})},
+                                    tags=["splatflow"],
+                                    description="One scene on a worker host: pulls its inputs from the DVC remote, "
+                                                "runs its stages, pushes its outputs and reports back")
+    dep.entrypoint = "flows/reconstruct.py:reconstruct"  # relative to the host's clone
+    dep_id = dep.apply()
+    with get_client(sync_client=True) as client:
+        client.update_deployment(dep_id, DeploymentUpdate(
+            pull_steps=[{"splatflow.orchestrate.hosts.enter_host_clone": {}}], path=None))
+    return HOST_DEPLOYMENT
 
 
 def served_deployments(repo: str | Path, cron: Optional[str] = NIGHTLY_CRON, scenes: Optional[list[str]] = None,

@@ -26,7 +26,7 @@ from prefect.context import get_run_context
 from prefect.states import Completed, State
 
 from splatflow import tracking
-from splatflow.orchestrate import dvcrun
+from splatflow.orchestrate import dvcrun, hosts
 from splatflow.orchestrate.workspace import workspace_lock, worktree
 
 
@@ -88,12 +88,17 @@ def _flow_run_tags() -> dict[str, str]:
 
 def reproduce(root: Path, scene: str, *, main_root: Path, force: bool, stage_timeout_s: Optional[float],
               parent_run_id: Optional[str], run_name: Optional[str], tags: dict[str, str],
-              skip_finished: bool = False, echo: bool = False) -> dict[str, Any]:
-    """The body shared by the flow's two workspace modes: MLflow run, stages as tasks, final logging."""
+              skip_finished: bool = False, on_host: bool = False, echo: bool = False) -> dict[str, Any]:
+    """The body shared by the flow's workspace modes: MLflow run, stages as tasks, final logging.  ``on_host``:
+    pull the scene's inputs from the DVC remote first and publish its results after (:mod:`~splatflow.orchestrate
+    .hosts`)."""
     logger = get_run_logger()
     stages = dvcrun.stage_order(root, scene)
     if not stages:
         raise ValueError(f"dvc.yaml in {root} has no stages for scene {scene!r}: add it to base.scenes in params.yaml")
+    if on_host:
+        logger.info("scene %s on host %s: pulling its inputs from the DVC remote", scene, hosts.host_name())
+        hosts.pull_inputs(root, stages, on_line=logger.info)
     dvcrun.check_sources(root, [scene])  # a missing capture: a clear error before DVC removes the scene's outputs
     logger.info("scene %s: %d stages from DVC's graph: %s", scene, len(stages), " -> ".join(stages))
 
@@ -123,6 +128,9 @@ def reproduce(root: Path, scene: str, *, main_root: Path, force: bool, stage_tim
                 str(root), stage, run.run_id, uri, force, stage_timeout_s, echo)
             # a skipped stage's task returns its Skipped state, which the call hands back as it is: its record
             results.append(res.result() if isinstance(res, State) else res)
+        if on_host:  # only after every stage succeeded: a host that dies earlier has published nothing
+            hosts.publish_results(root, stages, run.run_id, run.client, on_line=logger.info)
+            logger.info("scene %s: outputs pushed to the DVC remote, lock entries and metrics logged to MLflow", scene)
     metrics = run.client.get_run(run.run_id).data.metrics if run.active else {}
     artifact = publish_summary(root, scene, main_root=main_root, run=run)
     return {"scene": scene, "run_id": run.run_id, "stages": results, "metrics": metrics, "workspace": str(root),
@@ -178,7 +186,7 @@ def publish_summary(root: Path, scene: str, *, main_root: Path, run: tracking.Sc
 
 @flow(name="reconstruct", log_prints=True)
 def reconstruct(scene: str = "demo", repo: Optional[str] = None,
-                workspace: Literal["inplace", "worktree"] = "inplace", commit: str = "HEAD",
+                workspace: Literal["inplace", "worktree", "host"] = "inplace", commit: str = "HEAD",
                 overrides: Optional[dict[str, Any]] = None, force: bool = False,
                 stage_timeout_s: Optional[float] = None, parent_run_id: Optional[str] = None,
                 run_name: Optional[str] = None, tags: Optional[dict[str, str]] = None,
@@ -192,6 +200,9 @@ def reconstruct(scene: str = "demo", repo: Optional[str] = None,
     only; batches set it): when an earlier FINISHED run of the scene at the same commit with the same overrides
     still holds -- DVC finds every stage up to date with the dvc.lock it ended with -- nothing runs, and a new
     MLflow run tagged ``splatflow.skipped=up to date`` points at it (``splatflow.same_as``) with its metrics.
+    ``"host"`` (the ``reconstruct/host`` deployment): a worktree of ``commit`` in this worker host's own clone,
+    inputs pulled from the DVC remote, results pushed and reported back (:mod:`splatflow.orchestrate.hosts`);
+    ``repo`` names the user's checkout there and is not used here.
     ``echo``: each stage's output also goes to stdout as it comes (``splatflow run`` shows DVC's own output).
     """
     main_root = tracking.repo_root(repo or os.environ.get("SPLATFLOW_REPO") or Path.cwd())
@@ -200,6 +211,13 @@ def reconstruct(scene: str = "demo", repo: Optional[str] = None,
         tags["splatflow.overrides"] = ",".join(f"{k}={v}" for k, v in sorted(overrides.items()))
     common = dict(main_root=main_root, force=force, stage_timeout_s=stage_timeout_s, parent_run_id=parent_run_id,
                   run_name=run_name, tags=tags, echo=echo)
+    if workspace == "host":
+        clone = tracking.repo_root(Path.cwd())  # the deployment's pull step moved this process into the clone
+        tags["splatflow.host"] = hosts.announce_host(get_run_context().flow_run.id)
+        common["main_root"] = clone
+        with worktree(clone, hosts.fetch_commit(clone, commit), overrides=overrides) as wt:
+            hosts.use_remote(wt, hosts.remote_url())
+            return reproduce(wt, scene, on_host=True, **common)
     if workspace == "worktree":
         with worktree(main_root, commit, overrides=overrides) as wt:
             return reproduce(wt, scene, skip_finished=skip_finished, **common)

@@ -105,6 +105,13 @@ def to_device(obj: Any, device: torch.device | str) -> Any:
 
 
 
+def gpu_memory_gib(device: torch.device) -> float | None:
+    """The GPU's memory in GiB (one decimal), None for a device that is not a CUDA GPU."""
+    if device.type != "cuda":
+        return None
+    return round(torch.cuda.get_device_properties(device).total_memory / 2**30, 1)
+
+
 def reset_peak_memory(dev: RunDevice | None = None) -> None:
     """Start counting a stage's peak GPU memory from now (no-op on the CPU)."""
     if dev is not None and dev.is_cuda:

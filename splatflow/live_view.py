@@ -73,6 +73,11 @@ class LiveView:
         self._wake = threading.Condition()
         self._closed = False
         self._error: BaseException | None = None
+        # viser and its dependencies are imported here, before training, not by the viewer's thread during a step:
+        # an import there that draws from the global `random` would draw from the run's generator, which the loop
+        # lends to the global one for the span of a step (splatflow.train.rng), and change the run
+        import splatflow.viewer  # noqa: F401  lazy: viser, which only a watched run needs
+
         self._thread = threading.Thread(target=self._serve, name="splatflow-live-view", daemon=True)
         self._thread.start()
 
@@ -86,7 +91,7 @@ class LiveView:
         if trainer.step < trainer.cfg.max_steps and (self._busy or now - self._last < self.every_s):
             return  # (the last step's model is always handed over: the view ends on the trained splat)
         self._last = now
-        snapshot = {k: trainer.params[k].detach().to("cpu", copy=True) for k in SPLAT_KEYS}
+        snapshot = {k: trainer.state.params[k].detach().to("cpu", copy=True) for k in SPLAT_KEYS}
         with self._wake:
             self._busy = True
             self._pending = (snapshot, int(trainer.step), int(trainer.cfg.max_steps), self._psnr,

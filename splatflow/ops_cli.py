@@ -23,7 +23,7 @@ import typer
 
 from splatflow.config import ConfigError, load_params
 from splatflow.errors import UserError
-from splatflow.orchestrate import servers
+from splatflow.orchestrate import servers, shared
 from splatflow.orchestrate.plots import render_csv_png
 from splatflow.orchestrate.rerun import rerun_commit
 from splatflow.orchestrate.dvcrun import check_sources
@@ -200,8 +200,27 @@ def serve(pool: str = typer.Option("splatflow", help="process work pool name"),
           scenes: Optional[list[str]] = typer.Option(None, "--scene", help="scenes of the scheduled batch "
                                                      "(default: all)"),
           max_concurrent: int = typer.Option(2, min=1, help="scene runs in flight per batch"),
-          repo: Optional[Path] = typer.Option(None, help="project folder workers run from (default: here)")):
+          repo: Optional[Path] = typer.Option(None, help="project folder workers run from (default: here)"),
+          shared: bool = typer.Option(False, help="start the team's shared services instead: PostgreSQL, Prefect "
+                                      "and MLflow on it, a DVC remote; hosts join with `splatflow worker`"),
+          host: str = typer.Option("127.0.0.1", help="--shared: address the servers bind to"),
+          advertise: Optional[str] = typer.Option(None, help="--shared: the name other hosts reach this one by "
+                                                  "(default: --host)"),
+          prefect_port: int = typer.Option(servers.PREFECT_PORT, min=1, max=65535,
+                                           help="--shared: Prefect server port"),
+          mlflow_port: int = typer.Option(servers.MLFLOW_PORT, min=1, max=65535,
+                                          help="--shared: MLflow server port"),
+          pg_port: int = typer.Option(5432, min=1, max=65535, help="--shared: PostgreSQL port"),
+          state_dir: Optional[Path] = typer.Option(None, help="--shared: databases, artifacts, logs (default: "
+                                                   "~/.local/share/splatflow/shared)"),
+          dvc_remote: Optional[str] = typer.Option(None, help="--shared: the DVC remote hosts share (default: "
+                                                   "STATE_DIR/dvc-remote; or ssh://..., s3://...)"),
+          start_timeout: float = typer.Option(300.0, min=1.0, help="--shared: seconds each server may take to "
+                                              "answer before start-up is abandoned (a loaded host needs more)")):
     """Create the work pool and deployments, start workers, and serve the scheduled batch until Ctrl-C."""
+    if shared:
+        return _serve_shared(pool, host, advertise, prefect_port, mlflow_port, pg_port, state_dir, dvc_remote,
+                             start_timeout)
     _use_local_prefect_server()
     if not os.environ.get("PREFECT_API_URL"):
         raise UserError("`serve` needs a Prefect server: run `splatflow ui` first (or set PREFECT_API_URL)")
@@ -238,6 +257,92 @@ def serve(pool: str = typer.Option("splatflow", help="process work pool name"),
             typer.echo(f"could not check the workers' flow runs on the Prefect server: {e}", err=True)
 
 
+def _serve_shared(pool: str, host: str, advertise: Optional[str], prefect_port: int, mlflow_port: int, pg_port: int,
+                  state_dir: Optional[Path], dvc_remote: Optional[str], start_timeout: float = 300.0) -> None:
+    """``serve --shared``: the shared services until Ctrl-C or SIGTERM (docs/orchestration.md, "Hosts")."""
+    from splatflow.orchestrate import hosts  # lazy: MLflow (hosts imports splatflow.tracking)
+
+    _quiet_env()
+    _flows()  # the deployment is made from this clone's flows/ (the same on every host)
+    state = (state_dir or shared.default_state_dir()).expanduser()
+    typer.echo(f"starting PostgreSQL, Prefect and MLflow in {state} ...")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # during start-up: start_shared stops what it started
+    stack = shared.start_shared(state, host=host, advertise=advertise, prefect_port=prefect_port,
+                                mlflow_port=mlflow_port, pg_port=pg_port, dvc_remote=dvc_remote,
+                                timeout_s=start_timeout)
+    stop = {"now": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("now", True))
+    try:
+        os.environ["PREFECT_API_URL"] = stack.settings["PREFECT_API_URL"]
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        with temporary_settings(updates={PREFECT_API_URL: stack.settings["PREFECT_API_URL"]}):
+            shared.publish(stack.settings)
+            from flows.deployments import deploy_host_scene, ensure_pool
+
+            ensure_pool(pool)
+            deploy_host_scene(pool)
+        cfg = hosts.write_shared_settings(stack.settings)
+        server = stack.settings["PREFECT_API_URL"].removesuffix("/api")
+        typer.secho(f"Prefect  {server}   (PostgreSQL database prefect; log {stack.prefect.log})", fg="green")
+        typer.secho(f"MLflow   {stack.settings['MLFLOW_TRACKING_URI']}   (PostgreSQL database mlflow, artifacts "
+                    f"proxied to {state / 'mlartifacts'})", fg="green")
+        typer.secho(f"DVC      {stack.settings['SPLATFLOW_DVC_REMOTE']}", fg="green")
+        typer.echo(f"work pool {pool!r} with deployment reconstruct/host; addresses written to {cfg}\n"
+                   f"On each worker host (a clone of the project, `make venv`):\n"
+                   f"  .venv/bin/splatflow worker --server {server} --clone $PWD\n"
+                   f"In your checkout: `splatflow batch --hosts` (reads {cfg}). Ctrl-C stops the services.")
+        while not stop["now"]:
+            for s in (stack.prefect, stack.mlflow):
+                if not s.alive():
+                    typer.secho(f"{s.name} server exited; log {s.log}:\n{s.tail()}", fg="red", err=True)
+                    stop["now"] = True
+            if not stack.cluster.alive():
+                typer.secho(f"PostgreSQL exited; log {stack.cluster.log}", fg="red", err=True)
+                stop["now"] = True
+            time.sleep(1)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        typer.echo("stopping the shared services ...")
+        stack.stop()
+        typer.echo("stopped")
+
+
+@servers_app.command("worker", rich_help_panel=SERVERS)
+def worker_cmd(server: str = typer.Option(..., help="the Prefect server of `splatflow serve --shared`, "
+                                           "http://HOST:4200"),
+               clone: Path = typer.Option(Path("."), help="this host's clone of the project"),
+               name: Optional[str] = typer.Option(None, help="this worker's name in runs and summaries "
+                                                  "(default: the hostname, with the GPU)"),
+               gpu: Optional[str] = typer.Option(None, help="CUDA_VISIBLE_DEVICES of this worker: start one worker "
+                                                 "per GPU"),
+               pool: str = typer.Option("splatflow", help="work pool")):
+    """Join the shared services as a worker host: take scene runs of `splatflow batch --hosts` until Ctrl-C."""
+    _quiet_env()
+    clone = shared.check_clone(clone)
+    settings = shared.join_settings(server)
+    name = name or (f"{os.uname().nodename}-gpu{gpu}" if gpu is not None else os.uname().nodename)
+    w = servers.start_worker(pool, api_url=settings["PREFECT_API_URL"], name=name, limit=1,
+                             log_dir=clone / ".splatflow", cwd=clone,
+                             extra_env=shared.worker_env(settings, clone, name, gpu))
+    typer.echo(f"worker {name} on {settings['PREFECT_API_URL']} (clone {clone}; MLflow "
+               f"{settings['MLFLOW_TRACKING_URI']}; DVC remote {settings['SPLATFLOW_DVC_REMOTE']}); log {w.log}")
+    stop = {"now": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("now", True))
+    try:
+        while not stop["now"] and w.alive():
+            time.sleep(1)
+        if not w.alive():
+            typer.secho(f"the worker exited; log {w.log}:\n{w.tail()}", fg="red", err=True)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+        w.stop()
+
+
 @flows_app.command("flow", rich_help_panel=FLOWS)
 def flow_cmd(scene: str = typer.Argument("demo", help="scene to reconstruct"),
              force: bool = typer.Option(False, help="rerun stages DVC finds up to date"),
@@ -264,6 +369,8 @@ def batch_cmd(scenes: Optional[list[str]] = typer.Argument(None, help="scenes (d
                                                         help="one sweep config: 'k=v,k2=v2' (repeatable)"),
               max_concurrent: int = typer.Option(2, min=1, help="scene runs in flight"),
               local: bool = typer.Option(False, help="run children in this process instead of the work pool"),
+              hosts_: bool = typer.Option(False, "--hosts", help="run the scenes on worker hosts of `splatflow "
+                                          "serve --shared` and bring their results into this checkout"),
               force: bool = typer.Option(False, help="rerun stages DVC finds up to date")):
     """Run many scenes and/or a sweep as one batch (children via the work pool unless --local)."""
     configs = [dict(parse_override(kv) for kv in c.split(",") if kv.strip()) for c in sweep or []] or None
@@ -271,19 +378,33 @@ def batch_cmd(scenes: Optional[list[str]] = typer.Argument(None, help="scenes (d
     # the captures are checked where each scene runs (a worker's worktree may see other paths)
     _check_scenes(root, list(scenes or sorted(load_params(root / "params.yaml").base.scenes)), configs or [],
                   sources=False)
+    deployment = None if local else SCENE_DEPLOYMENT
+    if hosts_:
+        from splatflow.orchestrate import hosts  # lazy: MLflow (hosts imports splatflow.tracking)
+
+        if local:
+            raise UserError("--hosts and --local exclude each other: --hosts runs the scenes on worker hosts")
+        os.environ.update(hosts.shared_settings())  # the environment wins: shared_settings reads it first
+        for key in hosts.SETTINGS:
+            if not os.environ.get(key):
+                raise UserError(f"--hosts needs {key}: set it, or write {hosts.config_path()} with `splatflow serve "
+                                f"--shared` (its addresses)")
+        os.environ["SPLATFLOW_TRACKING"] = "on"
+        deployment = "reconstruct/host"
     _use_local_prefect_server(say_temporary=local)
     if not local:
-        _require_deployment(SCENE_DEPLOYMENT)
+        _require_deployment(deployment)
     from flows.batch import batch
 
     state = batch(scenes=scenes or None, sweep=configs, max_concurrent=max_concurrent,
-                  deployment=None if local else SCENE_DEPLOYMENT, repo=str(root), force=force, return_state=True)
+                  deployment=deployment, repo=str(root), force=force, return_state=True)
     res = state.result(raise_on_failure=False)
     if isinstance(res, BaseException):  # some scene failed: each one's reason, after Prefect's log of the flow
         typer.secho(f"\nbatch: {res}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1)
     for r in res:
-        typer.echo(f"{r['job']}: {r['state']}" + (f" ({r['skipped']})" if r.get("skipped") else ""))
+        typer.echo(f"{r['job']}: {r['state']}" + (f" ({r['skipped']})" if r.get("skipped") else "")
+                   + (f" on {r['host']} in {r['seconds']:.0f} s" if r.get("host") else ""))
 
 
 @runs_app.command("reap")

@@ -114,7 +114,7 @@ def test_a_cuda_run_reads_its_card_memory_for_the_plan(monkeypatch):
 
     import torch
 
-    from splatflow.train.loop import _gpu_memory_gib
+    from splatflow.device import gpu_memory_gib as _gpu_memory_gib
 
     calls = []
 

@@ -252,7 +252,7 @@ def test_recovery_position_learning_rate(scene_files):
     """``means_lr_factor`` sets the recovery's position rate: Adam's first step moves each mean by about the
     rate (x scene scale); the default is training's final rate, 30x smaller than prune's 0.3."""
     from splatflow.model import scene_scale
-    from splatflow.train.loop import finetune
+    from splatflow.train import finetune
 
     cfg = TrainConfig(backend=BACKEND, image_cache_mb=16)
     sc = scene_scale(np.stack([v.world_to_cam for v in scene_files.scene.train_views]))

@@ -1,5 +1,5 @@
-"""Pruning inside training (train.prune_during): cut steps, kept fractions, the early stop, the model surgery,
-resume, and the prune stage's verify-and-copy on such a model.
+"""Pruning inside training (train.prune_during): cut steps, kept fractions, the early stop (its model surgery:
+tests/test_state.py), resume, and the prune stage's verify-and-copy on such a model.
 
 The scene is the synthetic room at 96x72 with its true cameras (as tests/test_train.py), so no SfM is needed.
 """
@@ -90,44 +90,6 @@ def test_config_refuses_cuts_during_densification():
         params_from_dict({"train": {"prune_during": {"start_fraction": 0.8, "end_fraction": 0.7}}})
 
 
-# --------------------------------------------------------------------------------------------- model surgery
-
-
-def _params_and_adam(n=10):
-    torch.manual_seed(0)
-    shapes = {"means": (3,), "quats": (4,), "scales": (3,), "opacities": (), "sh0": (1, 3), "shN": (3, 3)}
-    params = {k: torch.nn.Parameter(torch.randn(n, *s)) for k, s in shapes.items()}
-    opts = {k: torch.optim.Adam([p], lr=0.1) for k, p in params.items()}
-    loss = sum((p ** 2).sum() for p in params.values())
-    loss.backward()
-    for o in opts.values():
-        o.step()
-    return params, opts
-
-
-def test_keep_rows_and_restore_carry_parameters_and_adam_moments():
-    params, opts = _params_and_adam()
-    before = {k: p.detach().clone() for k, p in params.items()}
-    moments = {k: opts[k].state[params[k]]["exp_avg"].clone() for k in SPLAT_KEYS}
-    snap = pd.snapshot(params, opts)
-    state = {"grad2d": torch.arange(10.0), "count": torch.ones(10)}
-    rows = torch.tensor([1, 4, 7])
-    pd.keep_rows(params, opts, state, rows)
-    for k in SPLAT_KEYS:
-        assert torch.equal(params[k].detach(), before[k][rows])
-        assert opts[k].param_groups[0]["params"][0] is params[k]
-        assert torch.equal(opts[k].state[params[k]]["exp_avg"], moments[k][rows])
-    assert torch.equal(state["grad2d"], torch.tensor([1.0, 4.0, 7.0]))
-    pd.restore(params, opts, state, snap)
-    for k in SPLAT_KEYS:
-        assert torch.equal(params[k].detach(), before[k])
-        assert torch.equal(opts[k].state[params[k]]["exp_avg"], moments[k])
-    # the optimizer still works on the restored parameters
-    sum((p ** 2).sum() for p in params.values()).backward()
-    for o in opts.values():
-        o.step()
-
-
 # --------------------------------------------------------------------------------------------- in training
 
 
@@ -159,9 +121,9 @@ def test_training_cuts_at_the_scheduled_steps_to_the_kept_fractions(scene):
     tr = Trainer(scene, _cfg(), seed=0)
     orig = tr.pruner.after_step
 
-    def spy(trainer):
-        counts[trainer.step] = trainer.params["means"].shape[0]
-        orig(trainer)
+    def spy(gs, step, ctx):
+        counts[step] = gs.params["means"].shape[0]
+        orig(gs, step, ctx)
 
     tr.pruner.after_step = spy
     res = tr.run()

@@ -80,12 +80,12 @@ def test_candidates_keep_every_gaussian_the_projection_reaches(scene):
     tr = Trainer(scene, small_cfg(patch_max_pixels=1200), seed=0)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
-        n = tr.params["means"].shape[0]
-        op = tr.params["opacities"]
+        n = tr.state.params["means"].shape[0]
+        op = tr.state.params["opacities"]
         alpha_logit = torch.logit(torch.tensor(ALPHA_MIN))
         op[: n // 4] = alpha_logit + 1e-4 * torch.randn(n // 4, generator=gen)  # at the opacity cut-off
-        tr.params["scales"][n // 4: n // 3] += 3.0  # ~20x larger
-        tr.params["means"][n // 3: n // 3 + 20] *= -1.0  # some behind the cameras
+        tr.state.params["scales"][n // 4: n // 3] += 3.0  # ~20x larger
+        tr.state.params["means"][n // 3: n // 3 + 20] *= -1.0  # some behind the cameras
     fractions = []
     for trial in range(24):
         i, factor = trial % len(tr.views), (0.25, 0.5, 1.0)[trial % 3]
@@ -97,7 +97,7 @@ def test_candidates_keep_every_gaussian_the_projection_reaches(scene):
         random.seed(trial)
         win = patch_window(w, h, level_budget(1200, factor, tr.cfg.patch_level_exponent))
         _, K = tr.cache.get(i, factor)
-        cand = candidates(tr.params, tr.viewmats[i], torch.as_tensor(K, dtype=torch.float32), w, h, win)
+        cand = candidates(tr.state.params, tr.viewmats[i], torch.as_tensor(K, dtype=torch.float32), w, h, win)
         assert seen <= set(cand.tolist()), (trial, len(seen - set(cand.tolist())))
         if win is not None and win[2] * win[3] < w * h / 2:
             fractions.append(len(cand) / n)
@@ -117,16 +117,16 @@ def test_sparse_step_differentiates_exactly_what_the_dense_step_does(scene):
             loss.backward()
             if sparse:
                 rows, leaves = info["rows"], info["leaves"]
-                grads[sparse] = {k: torch.zeros_like(tr.params[k]).index_copy_(0, rows, leaves[k].grad)
+                grads[sparse] = {k: torch.zeros_like(tr.state.params[k]).index_copy_(0, rows, leaves[k].grad)
                                  for k in SPLAT_KEYS}
-                assert all(tr.params[k].grad is None for k in SPLAT_KEYS)
+                assert all(tr.state.params[k].grad is None for k in SPLAT_KEYS)
             else:
-                grads[sparse] = {k: tr.params[k].grad.clone() for k in SPLAT_KEYS}
-                for p in tr.params.values():
+                grads[sparse] = {k: tr.state.params[k].grad.clone() for k in SPLAT_KEYS}
+                for p in tr.state.params.values():
                     p.grad = None
         for k in SPLAT_KEYS:
             assert torch.equal(grads[True][k], grads[False][k]), k
-        assert len(rows) < tr.params["means"].shape[0] or factor < 1.0
+        assert len(rows) < tr.state.params["means"].shape[0] or factor < 1.0
 
 
 def test_flush_before_anything_reads_every_row(scene):
@@ -134,37 +134,38 @@ def test_flush_before_anything_reads_every_row(scene):
     with their bookkeeping, for a bit-exact resume: tests/test_train.py); replacing the parameters while rows are
     behind is refused instead of silently dropping their pending updates."""
     tr = Trainer(scene, small_cfg(patch_max_pixels=1200), seed=0)
-    assert tr.sparse is not None
+    assert tr.state.sparse is not None
     for _ in range(5):
         with tr.rng.lent():
             tr.train_step()
         tr.step += 1
-    assert tr.sparse.pending
+    assert tr.state.sparse.pending
     tr.validate()
-    assert not tr.sparse.pending
+    assert not tr.state.sparse.pending
     with tr.rng.lent():
         tr.train_step()
     tr.step += 1
-    assert tr.sparse.pending
+    assert tr.state.sparse.pending
     ck = tr.state_dict(finished=False)
-    assert tr.sparse.pending and set(ck.train["sparse"]["last"]) == set(SPLAT_KEYS)
+    assert tr.state.sparse.pending and set(ck.train["sparse"]["last"]) == set(SPLAT_KEYS)
     ck = tr.state_dict(finished=True)
-    assert not tr.sparse.pending and "sparse" not in ck.train
+    assert not tr.state.sparse.pending and "sparse" not in ck.train
     with tr.rng.lent():
         tr.train_step()
-    tr.params["means"] = torch.nn.Parameter(tr.params["means"].detach().clone())  # a replacement without a flush
+    means = tr.state.params["means"]
+    tr.state.params["means"] = torch.nn.Parameter(means.detach().clone())  # a replacement without a flush
     with pytest.raises(RuntimeError, match="flush"):
-        tr.sparse.sync(tr.params, tr.optimizers)
+        tr.state.sync()
 
 
 def test_sparse_step_only_where_it_is_dense_adam(scene):
     """On by default on the CPU rasterizer; off with train.sparse_step: false, with visible_adam (another
     optimizer) and with 3DGS-MCMC (noise and regularisers on every Gaussian every step)."""
-    assert Trainer(scene, small_cfg()).sparse is not None
-    assert Trainer(scene, small_cfg(sparse_step=False)).sparse is None
-    assert Trainer(scene, small_cfg(visible_adam=True)).sparse is None
+    assert Trainer(scene, small_cfg()).state.sparse is not None
+    assert Trainer(scene, small_cfg(sparse_step=False)).state.sparse is None
+    assert Trainer(scene, small_cfg(visible_adam=True)).state.sparse is None
     cfg = small_cfg()
-    assert Trainer(scene, replace(cfg, densify=replace(cfg.densify, strategy="mcmc"))).sparse is None
+    assert Trainer(scene, replace(cfg, densify=replace(cfg.densify, strategy="mcmc"))).state.sparse is None
     # a strategy plugged in later (any object with the protocol's methods) may touch every row at any step: the
     # trainer brings every row up to date and goes on densely
     from splatflow.train.strategies import TorchMCMCStrategy
@@ -174,15 +175,14 @@ def test_sparse_step_only_where_it_is_dense_adam(scene):
         with tr.rng.lent():
             tr.train_step()
         tr.step += 1
-    assert tr.sparse.pending
-    sparse, flushed = tr.sparse, []
+    assert tr.state.sparse.pending
+    sparse, flushed = tr.state.sparse, []
     flush = sparse.flush
     sparse.flush = lambda *a: (flushed.append(True), flush(*a))
-    tr.strategy = TorchMCMCStrategy()
-    tr.strategy_state = tr.strategy.initialize_state()
+    tr.strategy = TorchMCMCStrategy()  # (with a fresh strategy state)
     with tr.rng.lent():
         tr.train_step()
-    assert tr.sparse is None and flushed and not sparse.pending
+    assert tr.state.sparse is None and flushed and not sparse.pending
 
 
 def test_sparse_training_learns_as_the_dense_step_does(scene):

@@ -1,5 +1,5 @@
 """The CPU trainer keeps the Gaussians in Morton order (train.spatial_order, splatflow/train/rows.py): the order is a
-Z curve, reordering carries every per-Gaussian quantity with its row, and training keeps the rows sorted after
+Z curve (reordering carries every per-Gaussian quantity with its row: tests/test_state.py), and training keeps the rows sorted after
 each densification event without changing what it learns.
 
 The scene is the synthetic room at 96x72 with its true cameras (as tests/test_train.py).
@@ -8,10 +8,10 @@ The scene is the synthetic room at 96x72 with its true cameras (as tests/test_tr
 import pytest
 import torch
 
-from splatflow.model import SPLAT_KEYS, Splats
+from splatflow.model import Splats
 from splatflow.render import configure_threads
-from splatflow.train import Trainer, optim
-from splatflow.train.rows import keep_rows, morton_codes, reorder_spatially, spatial_order
+from splatflow.train import Trainer
+from splatflow.train.rows import morton_codes, spatial_order
 from tests.test_train import small_cfg, train_off_and_on
 from tests.test_train import scene, scene_dir  # noqa: F401 - the module's fixtures
 
@@ -47,34 +47,8 @@ def _spread_ref(v: int) -> int:
     return sum(((v >> i) & 1) << (3 * i) for i in range(10))
 
 
-def test_reordering_moves_parameters_moments_and_strategy_state_with_their_rows():
-    g = torch.Generator().manual_seed(1)
-    n = 50
-    shapes = {"means": (3,), "quats": (4,), "scales": (3,), "opacities": (), "sh0": (1, 3), "shN": (15, 3)}
-    params = {k: torch.nn.Parameter(torch.randn((n,) + s, generator=g)) for k, s in shapes.items()}
-    opts = optim.make_optimizers(params, dict.fromkeys(shapes, 1e-2))
-    for k in SPLAT_KEYS:
-        params[k].grad = torch.randn_like(params[k])
-    optim.step(opts)
-    before = {k: (params[k].detach().clone(), opts[k].state[params[k]]["exp_avg"].clone(),
-                  opts[k].state[params[k]]["exp_avg_sq"].clone()) for k in SPLAT_KEYS}
-    state = {"grad2d": torch.rand(n, generator=g), "count": torch.arange(n, dtype=torch.float32), "scene_scale": 1.0}
-    grad2d = state["grad2d"].clone()
-    perm = spatial_order(params["means"])
-    reorder_spatially(params, opts, state)
-    for k in SPLAT_KEYS:
-        p, m, v = before[k]
-        st = opts[k].state[params[k]]
-        assert torch.equal(params[k].detach(), p[perm]) and torch.equal(st["exp_avg"], m[perm])
-        assert torch.equal(st["exp_avg_sq"], v[perm]) and opts[k].param_groups[0]["params"][0] is params[k]
-    assert torch.equal(state["count"], perm.float()) and torch.equal(state["grad2d"], grad2d[perm])
-    assert state["scene_scale"] == 1.0
-    keep_rows(params, opts, state, torch.tensor([0, 2, 4]))  # the same call cuts rows
-    assert params["means"].shape[0] == 3 and state["count"].tolist() == perm[[0, 2, 4]].float().tolist()
-
-
 def _sorted(tr: Trainer) -> bool:
-    return bool((morton_codes(tr.params["means"]).diff() >= 0).all())
+    return bool((morton_codes(tr.state.params["means"]).diff() >= 0).all())
 
 
 def test_the_cpu_trainer_keeps_its_rows_in_spatial_order(scene):
@@ -100,8 +74,8 @@ def test_the_cpu_trainer_keeps_its_rows_in_spatial_order(scene):
             off.train_step()
         off.step += 1
     assert not _sorted(off)  # appended rows break the order
-    handed = Trainer(scene, small_cfg(30), seed=0, splats=Splats.of(off.params).detach())
-    assert handed.spatial_order and torch.equal(handed.params["means"], off.params["means"])  # the caller's order
+    handed = Trainer(scene, small_cfg(30), seed=0, splats=Splats.of(off.state.params).detach())
+    assert handed.spatial_order and torch.equal(handed.state.params["means"], off.state.params["means"])  # the caller's order
 
 
 def test_training_in_spatial_order_learns_as_without_it(scene):

@@ -22,7 +22,9 @@ from splatflow.config import TrainConfig, params_from_dict
 from splatflow.model import Splats, init_splats, load_checkpoint, load_splats, render_view
 from splatflow.render import configure_threads
 from splatflow.train import GradientHealthError, Trainer, finetune, photometric_loss, train
+from splatflow.train.guards import DeferredChecks, StepChecks
 from splatflow.train.loop import CSV_FIELDS
+from splatflow.train.policies import VisibleAdamStep
 from tests._tiny import write_tiny_scene
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -185,19 +187,19 @@ def test_nan_guard_stops_and_keeps_the_last_good_checkpoint(scene, tmp_path):
 
 
 def test_deferred_checks_keep_a_nan_loss_out_of_the_parameters_and_stop(scene, tmp_path):
-    """A GPU run's guards read nothing back per step (``Trainer.defer_checks``, on for CUDA; forced here on the
-    CPU with the dense step, as on a GPU): a non-finite loss makes fused Adam skip its update on the device, and
-    the run stops at the next settle with the last good checkpoint, as the per-step check does."""
+    """A GPU run's guards read nothing back per step (``splatflow.train.guards.DeferredChecks``, on for CUDA;
+    forced here on the CPU with the dense step, as on a GPU): a non-finite loss makes fused Adam skip its update on
+    the device, and the run stops at the next settle with the last good checkpoint, as the per-step check does."""
     cfg = small_cfg(50, checkpoint_every=5, sparse_step=False)
     tr = Trainer(scene, cfg, ckpt_path=tmp_path / "c.pt")
-    assert not tr.defer_checks  # a CPU run checks every step
-    tr.defer_checks = True
+    assert not tr.checks.deferred  # a CPU run checks every step
+    tr.checks = DeferredChecks()
     seen = {}
 
     def nan_from_12(pred, gt, s, lam):
         loss, l1, ss = photometric_loss(pred, gt, s, lam)
         if tr.step == 12:
-            seen["before"] = {k: v.detach().clone() for k, v in tr.params.items()}
+            seen["before"] = {k: v.detach().clone() for k, v in tr.state.params.items()}
         return (loss * float("nan") if tr.step >= 12 else loss), l1, ss
 
     tr.loss_fn = nan_from_12
@@ -205,7 +207,7 @@ def test_deferred_checks_keep_a_nan_loss_out_of_the_parameters_and_stop(scene, t
     assert res.stopped.startswith("nonfinite: the loss became NaN/Inf at one of steps 10 to 14")
     assert "kept the last good checkpoint (step 10)" in res.stopped
     for k, v in seen["before"].items():  # steps 12-14 changed nothing: Adam skipped them on the device
-        assert torch.equal(tr.params[k].detach(), v), k
+        assert torch.equal(tr.state.params[k].detach(), v), k
     assert load_checkpoint(tmp_path / "c.pt")["step"] == 10
     assert all(torch.isfinite(v).all() for v in res.splats.values())
 
@@ -217,7 +219,7 @@ def test_deferred_checks_train_the_same_model_with_numbers_in_the_rows(scene, tm
     results = []
     for defer in (False, True):
         tr = Trainer(scene, cfg, csv_path=tmp_path / f"t{defer}.csv")
-        tr.defer_checks = defer
+        tr.checks = DeferredChecks() if defer else StepChecks()
         results.append(tr.run())
         rows = list(csv.DictReader(open(tmp_path / f"t{defer}.csv")))
         assert rows and all(math.isfinite(float(r["loss"])) and math.isfinite(float(r["ssim"])) for r in rows)
@@ -402,27 +404,27 @@ def test_patch_training_learns(scene):
 def test_visible_adam_leaves_unseen_gaussians_and_their_moments_alone(scene):
     cfg = small_cfg(visible_adam=True)
     tr = Trainer(scene, cfg, seed=0)
-    n = tr.params["means"].shape[0]
+    n = tr.state.params["means"].shape[0]
     g = torch.Generator().manual_seed(0)
     radii = torch.randint(1, 5, (1, n, 2), generator=g, dtype=torch.int32)
     unseen = torch.zeros(n, dtype=torch.bool)
     unseen[::3] = True
     radii[0, unseen] = 0
     for step in range(2):  # the second step also has moments to keep
-        before = {k: p.detach().clone() for k, p in tr.params.items()}
-        moments = {k: {m: t.clone() for m, t in opt.state[tr.params[k]].items() if m != "step"}
-                   for k, opt in tr.optimizers.items() if tr.params[k] in opt.state}
-        for p in tr.params.values():
+        before = {k: p.detach().clone() for k, p in tr.state.params.items()}
+        moments = {k: {m: t.clone() for m, t in opt.state[tr.state.params[k]].items() if m != "step"}
+                   for k, opt in tr.state.optimizers.items() if tr.state.params[k] in opt.state}
+        for p in tr.state.params.values():
             p.grad = torch.randn(p.shape, generator=g)
-        tr._visible_adam_step({"radii": radii})
-        for k, p in tr.params.items():
+        VisibleAdamStep().step(tr.state, {"radii": radii})  # the optimizer step of train.visible_adam
+        for k, p in tr.state.params.items():
             assert torch.equal(p.detach()[unseen], before[k][unseen]), k
             assert not torch.equal(p.detach()[~unseen], before[k][~unseen]), k
             for m, t in moments.get(k, {}).items():
-                now = tr.optimizers[k].state[p][m]
+                now = tr.state.optimizers[k].state[p][m]
                 assert torch.equal(now[unseen], t[unseen]), (k, m)
                 assert not torch.equal(now[~unseen], t[~unseen]), (k, m)
-        assert all(p.grad is None for p in tr.params.values())
+        assert all(p.grad is None for p in tr.state.params.values())
     assert step == 1 and moments  # the check above ran on real moments
 
 
@@ -431,18 +433,18 @@ def test_mcmc_regulariser_only_pulls_on_rendered_gaussians(scene):
     training window) gets no gradient, which Adam would otherwise blow up to a full step towards opacity 0."""
     cfg = small_cfg()
     tr = Trainer(scene, replace(cfg, densify=replace(cfg.densify, strategy="mcmc")), seed=0)
-    n = tr.params["means"].shape[0]
+    n = tr.state.params["means"].shape[0]
     radii = torch.full((1, n, 2), 3, dtype=torch.int32)
     unseen = torch.zeros(n, dtype=torch.bool)
     unseen[1::2] = True
     radii[0, unseen] = 0
-    reg = tr.strategy.loss_terms(tr.params, {"radii": radii})
+    reg = tr.strategy.loss_terms(tr.state.params, {"radii": radii})
     reg.backward()
     for k in ("opacities", "scales"):
-        grad = tr.params[k].grad
+        grad = tr.state.params[k].grad
         assert torch.all(grad[unseen] == 0), k
         assert torch.all(grad[~unseen] != 0), k
-    nothing = tr.strategy.loss_terms(tr.params, {"radii": torch.zeros_like(radii)})
+    nothing = tr.strategy.loss_terms(tr.state.params, {"radii": torch.zeros_like(radii)})
     assert float(nothing) == 0.0
 
 

@@ -108,13 +108,16 @@ def stage_order(root: str | Path, scene: str | None = None) -> list[str]:
     """
     import networkx as nx
     from dvc.repo import Repo
+    from dvc.stage import PipelineStage
 
     with Repo(str(root)) as repo:
         stages = list(repo.index.stages)
         graph = repo.index.graph  # edges: dependent -> dependency
         pos = {s: i for i, s in enumerate(stages)}
         order = list(nx.lexicographical_topological_sort(graph.reverse(copy=True), key=lambda s: pos.get(s, 1 << 30)))
-        names = [s.name for s in order]  # not .addressing: that is relative to the cwd
+        # not .addressing: that is relative to the cwd; a .dvc file's stage (a `dvc add`-ed capture) has no name
+        # and runs nothing: it is left out
+        names = [s.name for s in order if isinstance(s, PipelineStage)]
     if scene is not None:
         names = [n for n in names if n.partition("@")[2] == scene]
     return names

@@ -181,7 +181,7 @@ def start_prefect(port: int = PREFECT_PORT, *, host: str = "127.0.0.1", home: Pa
 
 def start_mlflow(port: int = MLFLOW_PORT, *, host: str = "127.0.0.1", root: Path | None = None,
                  backend_uri: str | None = None, artifacts_dir: Path | None = None,
-                 log_dir: Path | None = None) -> Server:
+                 log_dir: Path | None = None, extra_env: dict[str, str] | None = None) -> Server:
     """``mlflow server`` on ``host:port`` over the project's sqlite store; returns at once (call ``wait_healthy``)."""
     if port_in_use(port, host):
         raise RuntimeError(f"port {port} on {host} is in use: stop what runs there or pass another --mlflow-port")
@@ -190,10 +190,13 @@ def start_mlflow(port: int = MLFLOW_PORT, *, host: str = "127.0.0.1", root: Path
     artifacts_dir = Path(artifacts_dir or root / "mlartifacts")
     artifacts_dir.mkdir(parents=True, exist_ok=True)
     cmd = [str(VENV_BIN / "mlflow"), "server", "--host", host, "--port", str(port),
-           "--backend-store-uri", backend_uri, "--artifacts-destination", str(artifacts_dir),
-           "--workers", "1"]
-    env = low_memory_env()
+           "--artifacts-destination", str(artifacts_dir), "--workers", "1"]
+    env = low_memory_env(extra_env)
     env.pop("MLFLOW_TRACKING_URI", None)
+    if "@" in backend_uri.partition("://")[2]:  # credentials: in the environment, not in every `ps` listing
+        env["MLFLOW_BACKEND_STORE_URI"] = backend_uri
+    else:
+        cmd += ["--backend-store-uri", backend_uri]
     log = (log_dir or root / ".splatflow") / "mlflow-server.log"
     proc = _spawn("mlflow", cmd, log, env, cwd=root)
     return Server("mlflow", f"http://{host}:{port}", proc, log, health=f"http://{host}:{port}/health", env=env)

@@ -14,7 +14,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from . import _kernels as K, _proj_kernels as P
+from . import _kernels as K
+from . import _proj_kernels as P
 from .constants import TILE
 from .projection import camera_centers, tile_grid
 

@@ -4,6 +4,8 @@
 steps, cfg, sh_degree=...)`` is the densification-free recovery step the prune stage uses.
 """
 
-from splatflow.train.loop import GradientHealthError, Trainer, TrainResult, finetune, photometric_loss, train
+from splatflow.train.recovery import finetune
+from splatflow.train.guards import GradientHealthError
+from splatflow.train.loop import Trainer, TrainResult, photometric_loss, train
 
 __all__ = ["GradientHealthError", "Trainer", "TrainResult", "finetune", "photometric_loss", "train"]

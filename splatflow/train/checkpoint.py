@@ -1,10 +1,11 @@
 """A training run's checkpoint: what an exact resume needs, written as a :class:`splatflow.model.Checkpoint`.
 
 Besides the parameters and the SH degree, a training checkpoint carries the whole state of the run as its
-``train`` entries (docs/CONTRACTS.md "Checkpoint"): Adam's moments, the strategy's and the stopper's state, the
-run's random generators, the step, the elapsed time, the refine events, and the hash of the settings that shape
-the trajectory. A run resumes only from an unfinished checkpoint of the same settings and seed
-(:func:`try_resume`), and then continues bit for bit as if it had not stopped. Every tensor is written on the CPU
+``train`` entries (docs/CONTRACTS.md "Checkpoint"): the Gaussians' state (:class:`~splatflow.train.state.
+GaussianState`: Adam's moments, the strategy's per-row statistics, the sparse step's bookkeeping), the stopper's
+state, the run's random generators, the step, the elapsed time, the refine events, and the hash of the settings
+that shape the trajectory. A run resumes only from an unfinished checkpoint of the same settings, seed and scene
+(:func:`resumable`), and then continues bit for bit as if it had not stopped. Every tensor is written on the CPU
 and moved to the run's device on resume, so a run started on a GPU can finish on a CPU and the other way round.
 """
 
@@ -14,15 +15,14 @@ import hashlib
 import json
 import logging
 import sys
-
-import torch
+import time
+from pathlib import Path
 
 from splatflow.config import TrainConfig, section_dict
 from splatflow.device import to_device
 from splatflow.errors import UserError
-from splatflow.model import SPLAT_KEYS, Checkpoint, Splats
-from splatflow.train.optim import adam
-from splatflow.train.sparse import SparseAdam
+from splatflow.model import Checkpoint
+from splatflow.train.state import GaussianState
 
 log = logging.getLogger("splatflow.train")
 
@@ -38,84 +38,39 @@ def config_hash(cfg: TrainConfig) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def scene_hash(tr) -> str | None:
-    """The fingerprint of trainer ``tr``'s scene (:meth:`splatflow.scene.dataset.SceneData.fingerprint`), once
-    per trainer; None for a scene object without one."""
-    if not hasattr(tr, "_scene_hash"):
-        fp = getattr(tr.scene, "fingerprint", None)
-        tr._scene_hash = fp() if callable(fp) else None
-    return tr._scene_hash
+def identity(cfg: TrainConfig, seed: int, scene) -> dict:
+    """What an unfinished checkpoint must share with a run to be resumed by it: the hash of the trajectory's
+    settings, the seed and the scene's fingerprint (:meth:`splatflow.scene.dataset.SceneData.fingerprint`; None for
+    a scene object without one)."""
+    fp = getattr(scene, "fingerprint", None)
+    return {"config_hash": config_hash(cfg), "scene_hash": fp() if callable(fp) else None, "seed": seed}
 
 
-def capture(tr, finished: bool, stopped: str = "") -> Checkpoint:
-    """The checkpoint of trainer ``tr`` now, with every tensor on the CPU."""
-    train = {
-        "stopped": stopped,
-        "config_hash": config_hash(tr.cfg),
-        "scene_hash": scene_hash(tr),
-        "seed": tr.seed,
-        "scene_scale": tr.scene_scale,
-        "initial_count": tr.initial_count,
-        "optimizers": to_device({k: o.state_dict() for k, o in tr.optimizers.items()}, "cpu"),
-        "strategy_state": to_device(tr.strategy_state, "cpu"),
-        "stopper": tr.stopper.state_dict(),
-        "rng": tr.rng.state_dict(),
-        "elapsed_seconds": tr.elapsed_s,
-        "events": tr.events,
-        "val_psnr": tr.val_psnr,
-    }
-    sparse = getattr(tr, "sparse", None)
-    if sparse is not None and sparse.pending:  # an unfinished checkpoint of the sparse step: rows still behind
-        train["sparse"] = sparse.state_dict()
-    return Splats.of(tr.params).to_checkpoint(
-        tr.sched.sh.degree(max(tr.step - 1, 0)), tr.step, finished=finished,
-        prune_during=to_device(tr.pruner.state_dict(), "cpu") if tr.pruner is not None else None, train=train)
+def capture(gs: GaussianState, train: dict, *, step: int, sh_degree: int, finished: bool,
+            prune_during: dict | None = None) -> Checkpoint:
+    """The checkpoint of a run now, every tensor on the CPU: the Gaussians' :meth:`GaussianState.state_dict`
+    whole (its ``splats`` as the checkpoint's, the rest as ``train`` entries), the run's own ``train`` entries
+    (identity, stopper, generators, time, events, ...) and ``train.prune_during``'s state."""
+    g = gs.state_dict()
+    splats = g.pop("splats")
+    return Checkpoint(splats=splats, sh_degree=sh_degree, step=step, finished=finished,
+                      prune_during=None if prune_during is None else to_device(prune_during, "cpu"),
+                      train={**train, **g})
 
 
-def restore(tr, ckpt: Checkpoint | dict) -> None:
-    """Put the state of ``ckpt`` (a :class:`Checkpoint` or its dict) into trainer ``tr``, on its device."""
-    if not isinstance(ckpt, Checkpoint):
-        ckpt = Checkpoint.from_dict(ckpt, str(tr.ckpt_path or "checkpoint"))
+def restore(gs: GaussianState, ckpt: Checkpoint) -> dict:
+    """Put the Gaussians of ``ckpt`` into ``gs`` (on its device); returns the checkpoint's ``train`` entries, for
+    the run's own state."""
     st = ckpt.train
-    tr.params = {k: torch.nn.Parameter(ckpt.splats[k].to(tr.device, copy=True)) for k in SPLAT_KEYS}
-    for k in SPLAT_KEYS:
-        opt = adam(tr.params[k], 1.0)  # the learning rate comes with the state
-        opt.load_state_dict(to_device(st["optimizers"][k], tr.device))
-        tr.optimizers[k] = opt
-    tr.strategy_state = to_device(st["strategy_state"], tr.device)
-    tr.initial_count = int(st["initial_count"])
-    tr.stopper.load_state_dict(st["stopper"])
-    tr.rng.load_state_dict(st["rng"])
-    tr.step = ckpt.step
-    tr.elapsed_s = float(st["elapsed_seconds"])
-    tr.events = list(st.get("events", []))
-    tr.val_psnr = st.get("val_psnr")
-    _restore_sparse(tr, st.get("sparse"))
-    if tr.pruner is not None and ckpt.prune_during:
-        tr.pruner.load_state_dict(ckpt.prune_during)
-
-
-def _restore_sparse(tr, state: dict | None) -> None:
-    """The sparse step's bookkeeping (train.sparse_step): rows the checkpoint holds behind their Adam count
-    continue from there; a run without the sparse step brings them up to date at once."""
-    sparse = getattr(tr, "sparse", None)
-    if state is None:
-        if sparse is not None:
-            sparse.sync(tr.params, tr.optimizers, force=True)
-        return
-    lazy = sparse or SparseAdam(tr.params, tr.optimizers)
-    lazy.load_state_dict(to_device(state, "cpu"), tr.params, tr.optimizers)
-    if sparse is None:
-        lazy.flush(tr.params, tr.optimizers)
+    gs.load_state_dict({"splats": ckpt.splats, "optimizers": st["optimizers"],
+                        "strategy_state": st["strategy_state"], "sparse": st.get("sparse")})
+    return st
 
 
 def _set_aside(path, error: Exception) -> None:
     """Move an unreadable checkpoint out of the way and say so: training starts from step 0, and the file stays
     beside the new one (``ckpt.pt.unreadable-<time>``) for the user to inspect or delete, since it may be the only
     copy of hours of training."""
-    import time
-    from pathlib import Path
-
     path = Path(path)
     reason = str(error).removeprefix(f"{path}: ").split("; delete it")[0].split(". ")[0]  # torch adds advice
     reason += ")" * (reason.count("(") - reason.count(")"))
@@ -130,35 +85,34 @@ def _set_aside(path, error: Exception) -> None:
           f"training starts from step 0", file=sys.stderr, flush=True)
 
 
-def try_resume(tr) -> bool:
-    """Continue trainer ``tr`` from an unfinished checkpoint of the same config, seed and scene at
-    ``tr.ckpt_path``; True if it did. A missing or finished checkpoint starts afresh quietly; an unreadable one
-    (truncated by a full disk, damaged in a copy) is moved aside, kept, and named on stderr; an unfinished one
-    written with other settings, another seed or on other scene data (new photos, a new SfM model, another split)
-    starts afresh and says why on stderr, and so does a resume."""
-    if not (tr.cfg.resume and tr.ckpt_path and tr.ckpt_path.exists()):
-        return False
+def resumable(path: Path | None, ident: dict, *, enabled: bool = True) -> Checkpoint | None:
+    """The unfinished checkpoint at ``path`` of a run with identity ``ident`` (:func:`identity`), or None. A
+    missing or finished checkpoint starts afresh quietly; an unreadable one (truncated by a full disk, damaged in
+    a copy) is moved aside, kept, and named on stderr; an unfinished one written with other settings, another seed
+    or on other scene data (new photos, a new SfM model, another split) starts afresh and says why on stderr, and
+    so does a resume."""
+    if not (enabled and path and path.exists()):
+        return None
     try:
-        ckpt = Checkpoint.load(tr.ckpt_path)
+        ckpt = Checkpoint.load(path)
     except UserError as e:
-        _set_aside(tr.ckpt_path, e)
-        return False
+        _set_aside(path, e)
+        return None
     if not ckpt.resumable:
-        log.info("%s: not resuming (a finished run)", tr.ckpt_path)
-        return False
+        log.info("%s: not resuming (a finished run)", path)
+        return None
     why = []
-    if ckpt.train.get("config_hash") != config_hash(tr.cfg):
+    if ckpt.train.get("config_hash") != ident["config_hash"]:
         why.append("the train params differ")
-    if ckpt.train.get("seed") != tr.seed:
-        why.append(f"the seed differs ({ckpt.train.get('seed')} there, {tr.seed} now)")
-    if ckpt.train.get("scene_hash") != scene_hash(tr):
+    if ckpt.train.get("seed") != ident["seed"]:
+        why.append(f"the seed differs ({ckpt.train.get('seed')} there, {ident['seed']} now)")
+    if ckpt.train.get("scene_hash") != ident["scene_hash"]:
         why.append("the scene's data differ (images, SfM model or split)" if ckpt.train.get("scene_hash")
                    else "it does not record which scene data it was trained on")
     if why:
-        print(f"{tr.ckpt_path}: an unfinished run stopped at step {ckpt.step}, not resumed because "
+        print(f"{path}: an unfinished run stopped at step {ckpt.step}, not resumed because "
               f"{' and '.join(why)}; training starts afresh", file=sys.stderr, flush=True)
-        return False
-    print(f"{tr.ckpt_path}: resuming the unfinished run from step {ckpt.step} (same params, seed and scene data)",
+        return None
+    print(f"{path}: resuming the unfinished run from step {ckpt.step} (same params, seed and scene data)",
           file=sys.stderr, flush=True)
-    restore(tr, ckpt)
-    return True
+    return ckpt

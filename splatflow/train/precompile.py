@@ -162,3 +162,13 @@ def precompile(threads: int) -> float | None:
                 h.kill()
                 h.wait()
     return time.perf_counter() - t0
+
+
+def before_training(backend: str) -> float | None:
+    """:func:`precompile` with numba's thread count before a run on the CPU backend (a first run after an install
+    or a kernel change); None for a run on a GPU, whose kernels are gsplat's (compiled on their first use)."""
+    if backend != "cpu":
+        return None
+    import numba
+
+    return precompile(numba.get_num_threads())

@@ -15,15 +15,16 @@ TRAINING views. What differs: the cuts are fractions of the count at the first c
 default 16 of the demo's 31 orbit views are ~23 degrees apart, well inside the 65-degree field of view), and a rejected phase is undone by restoring the model AND its optimizer state from a
 snapshot taken just before its cut (training then continues without further cuts).
 
-The policy is this small object with explicit state, called by the training loop after every step
-(:meth:`PruneDuring.after_step`) and once when training ends (:meth:`PruneDuring.finish`); its state is part of
-the training checkpoint, so a resumed run cuts and judges exactly as an uninterrupted one.
+The policy is this small object with explicit state (a :class:`~splatflow.train.hooks.Policy`), called by the
+training loop after every step (:meth:`PruneDuring.after_step`, with the run's
+:class:`~splatflow.train.state.GaussianState`, whose snapshot undoes a cut) and once when training ends
+(:meth:`PruneDuring.finish`); its state is part of the training checkpoint, so a resumed run cuts and judges
+exactly as an uninterrupted one.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -31,9 +32,10 @@ import torch
 
 from splatflow.config import PruneDuringConfig
 from splatflow.errors import UserError
-from splatflow.model import SPLAT_KEYS, Splats
+from splatflow.model import Splats
 from splatflow.scoring import Camera, removal_scores, top_indices, val_indices
-from splatflow.train.rows import STRATEGY_ROW_KEYS, keep_rows
+from splatflow.train.hooks import LoopContext, Policy
+from splatflow.train.state import GaussianState
 
 log = logging.getLogger("splatflow.train")
 
@@ -80,42 +82,12 @@ def accepted(val_psnr: float, ref_psnr: float, max_drop_db: float) -> bool:
     return bool(val_psnr >= ref_psnr - max_drop_db)
 
 
-# --------------------------------------------------------------------------------------------- model surgery
-
-
-def snapshot(params: dict, optimizers: dict) -> dict:
-    """Copies of the parameters and their Adam state (what undoing a cut restores)."""
-    out = {}
-    for k in SPLAT_KEYS:
-        p = params[k]
-        st = optimizers[k].state.get(p, {})
-        out[k] = {"param": p.detach().clone(), **{n: v.detach().clone() for n, v in st.items()}}
-    return out
-
-
-def restore(params: dict, optimizers: dict, strategy_state: dict, snap: dict) -> None:
-    """Put a :func:`snapshot` back (new ``Parameter`` objects; per-Gaussian strategy state is dropped)."""
-    for k in SPLAT_KEYS:
-        old = params[k]
-        new = torch.nn.Parameter(snap[k]["param"].clone().to(old.device))
-        opt = optimizers[k]
-        opt.state.pop(old, None)
-        opt.param_groups[0]["params"] = [new]
-        st = {n: v.clone().to(old.device) for n, v in snap[k].items() if n != "param"}
-        if st:
-            opt.state[new] = st
-        params[k] = new
-    for name in STRATEGY_ROW_KEYS:
-        if isinstance(strategy_state.get(name), torch.Tensor):
-            strategy_state[name] = None
-
-
 # --------------------------------------------------------------------------------------------- the policy
 
 
 @dataclass
-class PruneDuring:
-    """Cuts the trainer's model at :func:`cut_steps` down to :func:`keep_fractions` and judges each phase.
+class PruneDuring(Policy):
+    """Cuts the training run's model at :func:`cut_steps` down to :func:`keep_fractions` and judges each phase.
 
     A phase is judged at :func:`judge_steps` (or when training ends, if that comes first): accepted if the
     validation PSNR then is within ``max_psnr_drop_db`` of the PSNR just before the first cut, otherwise undone
@@ -175,71 +147,69 @@ class PruneDuring:
         """Whether :meth:`after_step` validates, judges or cuts after ``step`` completed steps."""
         return any(self._due(step))
 
-    def after_step(self, trainer) -> None:
-        """Called after every training step (``trainer.step`` completed steps)."""
-        step = trainer.step
+    def after_step(self, gs: GaussianState, step: int, ctx: LoopContext) -> None:
+        """Called after every training step (``step`` completed steps)."""
         due_judge, due_cut = self._due(step)
         if not (due_judge or due_cut):
-            if self.pending and trainer.stopper.best_step >= 0:
-                trainer.stopper.best_step = step  # hold the plateau clock until the last cut
+            if self.pending:
+                ctx.stopper.hold(step)  # hold the plateau clock until the last cut
             return
-        val = trainer.validate()
-        if due_judge and not self._judge(trainer, val, step):
+        val = ctx.validate()
+        if due_judge and not self._judge(gs, ctx, val, step):
             return
         if due_cut:
             if self.done == 0:
                 self.psnr_ref = val
-                self.n_ref = int(trainer.params["means"].shape[0])
-            self._cut(trainer, step)
+                self.n_ref = gs.n
+            self._cut(gs, ctx, step)
 
-    def finish(self, trainer) -> None:
+    def finish(self, gs: GaussianState, step: int, ctx: LoopContext) -> None:
         """Called once when training ends (max_steps or plateau): judge the last phase, drop the snapshot."""
         if self.judged < self.done and self.stop_reason is None:
-            self._judge(trainer, trainer.validate(), trainer.step)
+            self._judge(gs, ctx, ctx.validate(), step)
         if self.pending:  # training ended before a scheduled cut (e.g. a resumed run with other steps)
-            self.stop_reason = (f"training ended at step {trainer.step} before the cut at step "
+            self.stop_reason = (f"training ended at step {step} before the cut at step "
                                 f"{self.steps[self.done]}")
         self.snap = None
 
     # ------------------------------------------------------------------------------------------ work
-    def _judge(self, trainer, val: float, step: int) -> bool:
+    def _judge(self, gs: GaussianState, ctx: LoopContext, val: float, step: int) -> bool:
         rec = self.records[-1]
         ok = accepted(val, self.psnr_ref, self.cfg.max_psnr_drop_db)
         rec.update({"val_psnr": val, "judged_at_step": step, "accepted": ok})
         self.judged += 1
         if not ok:
-            restore(trainer.params, trainer.optimizers, trainer.strategy_state, self.snap)
+            gs.restore(self.snap)
             self.stop_reason = (f"phase {rec['phase']} (keep {rec['keep_fraction']:.3f}) gave validation PSNR "
                                 f"{val:.2f} dB at step {step}, more than {self.cfg.max_psnr_drop_db:g} dB below "
                                 f"{self.psnr_ref:.2f} dB before the first cut; restored the model before that cut")
             log.info("prune during training: %s", self.stop_reason)
-            self._restart_plateau(trainer)
+            ctx.stopper.restart()  # the model just changed: the plateau is measured afresh
         self.snap = None
         return ok
 
-    def _cut(self, trainer, step: int) -> None:
+    def _cut(self, gs: GaussianState, ctx: LoopContext, step: int) -> None:
         t0 = time.perf_counter()
         frac = self.fractions[self.done]
-        n_cur = int(trainer.params["means"].shape[0])
+        n_cur = gs.n
         n_keep = max(1, int(round(frac * self.n_ref)))
-        self.snap = snapshot(trainer.params, trainer.optimizers)
-        deg = trainer.sched.sh.degree(step)
-        n_views = len(trainer.views)
+        self.snap = gs.snapshot()
+        deg = ctx.sh_degree(step)
+        n_views = len(ctx.views)
         ids = val_indices(n_views, self.cfg.score_views) if self.cfg.score_views else list(range(n_views))
         cams, targets = [], []
         for i in ids:
-            img, K = trainer.cache.get(i, 1.0)  # [H, W, 3], [3, 3]
-            cams.append(Camera(trainer.views[i].world_to_cam, K, img.shape[1], img.shape[0]))
+            img, K = ctx.cache.get(i, 1.0)  # [H, W, 3], [3, 3]
+            cams.append(Camera(ctx.views[i].world_to_cam, K, img.shape[1], img.shape[0]))
             targets.append(img)
-        dev = trainer.params["means"].device
-        candidate = Splats.of(trainer.params).detach()
-        rows = torch.arange(n_cur, device=dev)  # [N] the survivors' rows in the current model
+        candidate = gs.splats().detach()
+        rows = torch.arange(n_cur, device=gs.device)  # [N] the survivors' rows in the current model
         if n_keep < n_cur:
             for n_sub in sub_cut_sizes(n_cur, n_keep, self.cfg.score_rounds):
-                idx = top_indices(removal_scores(candidate, deg, cams, targets), n_sub).to(dev)
+                idx = top_indices(removal_scores(candidate, deg, cams, targets), n_sub).to(gs.device)
                 candidate = candidate.select(idx)
                 rows = rows.index_select(0, idx)
-            keep_rows(trainer.params, trainer.optimizers, trainer.strategy_state, rows)
+            gs.keep(rows)
         self.done += 1
         rec = {"phase": self.done, "step": step, "keep_fraction": round(frac, 6), "gaussians": n_keep,
                "gaussians_before": n_cur, "score_views": len(ids), "score_seconds": round(time.perf_counter() - t0, 3),
@@ -247,14 +217,9 @@ class PruneDuring:
         self.records.append(rec)
         log.info("prune during training: step %d cut %d -> %d Gaussians (%.1f%% of %d) in %.1f s", step, n_cur,
                  n_keep, 100.0 * n_keep / self.n_ref, self.n_ref, rec["score_seconds"])
-        if trainer.step_logger is not None:
-            trainer.step_logger.log(step, {"prune_gaussians": float(n_keep), "prune_phase": float(self.done)})
-        self._restart_plateau(trainer)
-
-    @staticmethod
-    def _restart_plateau(trainer) -> None:
-        """The model just changed: the plateau is measured afresh from the next validation."""
-        trainer.stopper.best_db, trainer.stopper.best_step = -math.inf, -1
+        if ctx.step_logger is not None:
+            ctx.step_logger.log(step, {"prune_gaussians": float(n_keep), "prune_phase": float(self.done)})
+        ctx.stopper.restart()  # the model just changed: the plateau is measured afresh
 
     # ------------------------------------------------------------------------------------------ state
     def report(self) -> dict:

@@ -1,5 +1,5 @@
-"""Row surgery on a training run's Gaussians: keep or reorder rows of the parameters, their Adam moments and the
-densification strategy's per-Gaussian state together, and the spatial (Morton) order the CPU step keeps them in.
+"""The spatial (Morton) order the CPU step keeps a training run's Gaussians in (the rows move with everything that
+has a row per Gaussian: :meth:`splatflow.train.state.GaussianState.reorder_spatially`).
 
 Why a spatial order (``train.spatial_order``): a late CPU step renders a window that reaches a few thousand of the
 model's Gaussians. In the order densification leaves them (clones and split children appended at the end) those
@@ -14,37 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from splatflow.model import SPLAT_KEYS
-
-# per-Gaussian entries of a densification strategy's state (rows follow the Gaussians)
-STRATEGY_ROW_KEYS = ("grad2d", "count", "radii")
-ADAM_ROW_KEYS = ("exp_avg", "exp_avg_sq")
-
 MORTON_BITS = 10  # per axis: a 1024^3 grid over the model's bounding box (30-bit codes)
-
-
-def keep_rows(params: dict, optimizers: dict, strategy_state: dict, rows: torch.Tensor) -> None:
-    """Keep Gaussians ``rows`` (indices into the current rows: ascending to cut, a permutation to reorder) in the
-    parameters, their Adam moments and the strategy's per-Gaussian state, in place of the dicts' entries (new
-    ``Parameter`` objects, as gsplat's strategy ops make)."""
-    n_old = params["means"].shape[0]
-    for k in SPLAT_KEYS:
-        old = params[k]
-        r = rows.to(old.device)
-        new = torch.nn.Parameter(old.detach().index_select(0, r).contiguous())
-        opt = optimizers[k]
-        st = opt.state.pop(old, {})
-        for name in ADAM_ROW_KEYS:
-            if name in st:
-                st[name] = st[name].index_select(0, r).contiguous()
-        opt.param_groups[0]["params"] = [new]
-        if st:
-            opt.state[new] = st
-        params[k] = new
-    for name in STRATEGY_ROW_KEYS:
-        v = strategy_state.get(name)
-        if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == n_old:
-            strategy_state[name] = v.index_select(0, rows.to(v.device)).contiguous()
 
 
 def _spread(x: torch.Tensor) -> torch.Tensor:
@@ -71,8 +41,3 @@ def spatial_order(means: torch.Tensor) -> torch.Tensor:
     if means.shape[0] == 0:
         return torch.zeros(0, dtype=torch.int64, device=means.device)
     return torch.sort(morton_codes(means), stable=True).indices
-
-
-def reorder_spatially(params: dict, optimizers: dict, strategy_state: dict) -> None:
-    """Put the Gaussians (and everything that has a row per Gaussian) in :func:`spatial_order`."""
-    keep_rows(params, optimizers, strategy_state, spatial_order(params["means"]))

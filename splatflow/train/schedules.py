@@ -110,6 +110,15 @@ class PlateauStopper:
                     f"on {self.best_db:.2f} dB (step {self.best_step}) for {step - self.best_step} steps")
         return None
 
+    def hold(self, step: int) -> None:
+        """Count no plateau time up to ``step`` (a policy that still has to change the model holds the clock)."""
+        if self.best_step >= 0:
+            self.best_step = step
+
+    def restart(self) -> None:
+        """The model just changed: the plateau is measured afresh from the next validation."""
+        self.best_db, self.best_step = -math.inf, -1
+
     def state_dict(self) -> dict:
         return {"best_db": self.best_db, "best_step": self.best_step}
 

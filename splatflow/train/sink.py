@@ -4,7 +4,7 @@ over; it never formats them.
 
 A watcher is any object with ``after_step(trainer, row)``: the loop calls :meth:`MetricsSink.step` once per
 finished step, after the row was logged and before checkpoints or stops, outside the run's random generators. A
-watcher reads the trainer (``trainer.step``, ``trainer.params``, ``trainer.cfg``, ``trainer.sched``) and changes
+watcher reads the trainer (``trainer.step``, ``trainer.state.params``, ``trainer.cfg``, ``trainer.sched``) and changes
 nothing, so a watched run ends with the parameters of the same run unwatched. ``row`` is the step's record
 (``step``, ``gaussians``, ``loss``; ``psnr`` only on the rows the loop logs). A watcher that raises is dropped with
 one warning: watching a run never stops it."""

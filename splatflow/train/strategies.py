@@ -49,6 +49,11 @@ class Strategy(Protocol):
     the optimizer step, with the step's position learning rate ``lr`` (the MCMC noise scales with it; others
     ignore it). It may replace the parameters and resize the optimizers' moments (gsplat's convention), and sets
     ``last_event`` to a dict describing a refine (or None) for the loop to log.
+
+    The training loop calls it through :class:`splatflow.train.policies.Densify`, with the dicts of the run's
+    :class:`~splatflow.train.state.GaussianState`. Optional: ``changes_params_at(step)`` (whether the post-backward
+    hook at ``step`` may rewrite every row; without it, every step is assumed to) and ``sparse_compatible``
+    (True: the sparse step may run beside it; it reads only the rendered rows, ``info["rows"]``).
     """
 
     last_event: dict | None
@@ -76,6 +81,10 @@ def rendered(info: dict, *, per_view: bool = False) -> torch.Tensor:
 class BudgetedDefaultStrategy(DefaultStrategy):
     """Adaptive density control (clone small / split large high-gradient Gaussians, prune transparent and huge
     ones, periodic opacity reset) that never lets the count exceed ``cap``."""
+
+    # the sparse step may run beside it: it reads only the rendered rows' screen-space gradients (info["rows"])
+    # and says when it rewrites rows (changes_params_at)
+    sparse_compatible = True
 
     def __init__(self, *, cap: int, initial_count: int = 0, ramp_end_iter: int = 0, **kwargs):
         super().__init__(**kwargs)

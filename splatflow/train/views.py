@@ -1,0 +1,70 @@
+"""The training views of a run as the loop renders them: images and masks per resolution level (decoded on the
+host, uploaded per step), cameras on the run's device, training windows, and the validation renders."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from splatflow.model import SPLAT_KEYS, Splats
+from splatflow.render import rasterize
+from splatflow.scene.images import ImageCache
+from splatflow.train.sparse import candidates
+from splatflow.train.windows import level_budget, patch_window
+
+
+def render_psnr(rgb: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None) -> float:
+    """PSNR of a render ``[H, W, 3]`` (clamped to [0, 1]) against its target, over the kept pixels when a mask keeps
+    any; the MSE is floored at 1e-12 so a perfect fit logs a finite number."""
+    err = (rgb.clamp(0, 1) - target) ** 2  # [H, W, 3]
+    mse = float(err.mean() if mask is None or not bool(mask.any()) else err[mask].mean())
+    return -10.0 * math.log10(max(mse, 1e-12))
+
+
+class TrainingViews:
+    """``views`` (the training views) on ``device``, rendered with the train settings ``cfg`` and training windows
+    of ``window_pixels`` (``train.patch_max_pixels`` as resolved for the backend; 0 = whole images)."""
+
+    def __init__(self, views: list, cfg, device: torch.device, window_pixels: int):
+        self.views, self.cfg, self.device, self.window_pixels = list(views), cfg, device, window_pixels
+        self.cache = ImageCache(self.views, cfg.image_cache_mb)
+        self.viewmats = [torch.as_tensor(np.asarray(v.world_to_cam, dtype=np.float32), device=device)
+                         for v in self.views]  # [4, 4] each
+        self._k: dict[tuple[int, float], torch.Tensor] = {}  # (view, level factor) -> K [3, 3] on the device
+        n_val = min(cfg.early_stop.val_views, len(self.views))
+        self.val_ids = sorted({int(round(x)) for x in np.linspace(0, len(self.views) - 1, n_val)})
+
+    def render(self, params: dict, i: int, factor: float, sh_degree: int, background: torch.Tensor | None = None,
+               patch: bool = False, sparse: bool = False):
+        """Render view ``i`` at ``factor`` with ``params``: ``(rgb [H, W, 3], target [H, W, 3], info)``.
+
+        With ``patch`` and a level larger than its window budget (:func:`~splatflow.train.windows.level_budget`),
+        only a random window of that area is rendered (the rasterizer's ``window``: exactly those pixels of the
+        whole render); ``info["width"]``/``["height"]`` stay the whole level's, so densification gradients keep
+        their scale. With ``sparse`` only the Gaussians that may reach the window are rendered, from copies of
+        their rows: ``info["rows"]`` holds their indices, ``info["leaves"]`` the copies the backward fills
+        (``params`` get no gradient).
+        """
+        w, h = self.cache.shape(i, factor)
+        win = patch_window(w, h, level_budget(self.window_pixels, factor, self.cfg.patch_level_exponent)) \
+            if patch else None
+        target, K = self.cache.get(i, factor, device=self.device, window=win)  # only the window is uploaded
+        mask = self.cache.mask(i, factor, window=win)  # [H, W] bool keep-mask, None without masks
+        Kt = self._k.get((i, factor))  # [3, 3]: uploaded once per view and level (an upload waits for the GPU)
+        if Kt is None:
+            Kt = self._k[(i, factor)] = torch.as_tensor(K, dtype=torch.float32, device=self.device)
+        src, rows = params, None
+        if sparse:
+            rows = candidates(params, self.viewmats[i], Kt, w, h, win)  # [n] int64
+            src = {k: params[k].detach().index_select(0, rows).requires_grad_(True) for k in SPLAT_KEYS}
+        a = Splats.of(src).activated(sh_degree, sh_pair=True)  # differentiable: grads reach src
+        rgb, _, info = rasterize(
+            a.means, a.quats, a.scales, a.opacities, a.colors, self.viewmats[i][None], Kt[None], w, h,
+            sh_degree=sh_degree, backgrounds=None if background is None else background[None],
+            backend=self.cfg.backend, absgrad=self.cfg.densify.absgrad, window=win)
+        info["loss_mask"] = None if mask is None else mask.to(target.device)  # read by the step and validation
+        if sparse:
+            info["rows"], info["leaves"] = rows, src
+        return rgb[0], target, info  # [H, W, 3]
