@@ -299,6 +299,23 @@ class DensifyConfig:
 
 
 @dataclass(frozen=True)
+class AppearanceConfig:
+    """Per-image appearance compensation (splatflow.train.appearance): an affine colour transform per training
+    view, learnt from ``start_fraction`` of the steps on, identity at evaluation and export."""
+
+    enabled: bool = False
+    lr: float = 1.0e-3
+    start_fraction: float = 0.1
+    reg: float = 0.0  # weight of |transform - identity|^2 in the loss
+
+    def __post_init__(self):
+        check(self.lr > 0, "train.appearance.lr", "a number > 0", self.lr)
+        check(0.0 <= self.start_fraction < 1.0, "train.appearance.start_fraction", "a number in [0, 1)",
+              self.start_fraction)
+        check(self.reg >= 0, "train.appearance.reg", "a number >= 0", self.reg)
+
+
+@dataclass(frozen=True)
 class EarlyStopConfig:
     """PSNR-plateau early stop on a few TRAINING views (never test views).
 
@@ -396,11 +413,15 @@ class TrainConfig:
     # densification leaves them in
     spatial_order: bool = True
     backend: Literal["auto", "cpu", "cuda", "torch"] = "auto"
+    # classic: 3DGS's 0.3 px screen-space dilation; antialiased: the dilation with its opacity compensation
+    # (Mip-Splatting's 2D filter, gsplat's rasterize_mode). The model records it; evaluate renders with it
+    rasterize_mode: Literal["classic", "antialiased"] = "classic"
     lr: LearningRates = field(default_factory=LearningRates)
     resolution: tuple[ResolutionPhase, ...] = field(default_factory=_default_phases)
     blur: BlurConfig = field(default_factory=BlurConfig)
     densify: DensifyConfig = field(default_factory=DensifyConfig)
     early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
+    appearance: AppearanceConfig = field(default_factory=AppearanceConfig)
     prune_during: PruneDuringConfig = field(default_factory=PruneDuringConfig)
     checkpoint_every: int = 1000
     resume: bool = True  # continue from an unfinished checkpoint of the same config

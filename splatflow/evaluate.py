@@ -26,7 +26,7 @@ from splatflow.config import EvaluateConfig
 from splatflow.errors import UserError
 from splatflow.lpips import VARIANT_INPUTS, LpipsSet
 from splatflow.metrics import masked_pair, masked_psnr, masked_ssim, psnr, quantize_8bit, ssim
-from splatflow.model import Splats, load_splats, render_view
+from splatflow.model import Checkpoint, Splats, render_view
 from splatflow.runtime_env import peak_rss_mb
 from splatflow.scene.dataset import load_scene, read_split
 from splatflow.scene.masks import read_view_mask
@@ -97,11 +97,12 @@ def save_side_by_side(path: Path, render: torch.Tensor, gt: torch.Tensor, gain: 
     Image.fromarray(row).save(path, compress_level=3)  # fast; level 6 barely smaller for renders
 
 
-def render_timed(splats: Splats, view, sh_degree: int, backend: str) -> tuple[torch.Tensor, float]:
+def render_timed(splats: Splats, view, sh_degree: int, backend: str,
+                 rasterize_mode: str = "classic") -> tuple[torch.Tensor, float]:
     """``(render [H, W, 3] on the splats' device, seconds)``: the wall clock of one render, synchronised on a GPU
     so it measures the render, not the kernel launch."""
     t0 = time.perf_counter()
-    render = render_view(splats, view, sh_degree, backend)
+    render = render_view(splats, view, sh_degree, backend, rasterize_mode)
     if splats.device.type == "cuda":
         torch.cuda.synchronize(splats.device)
     return render, time.perf_counter() - t0
@@ -131,8 +132,10 @@ def _view_mask(view) -> torch.Tensor | None:
 
 def evaluate(splats: Splats, sh_degree: int, test_views: list, cfg: EvaluateConfig, *, renders_dir: Path | None = None,
              split_rule: str | None = None, train_json: Path | None = None, progress: bool = True,
-             lpips: LpipsSet | None = None, resolution: dict | None = None) -> tuple[dict, "object"]:
-    """Score ``splats`` on ``test_views``; returns ``(summary dict, per-view DataFrame)`` (validated)."""
+             lpips: LpipsSet | None = None, resolution: dict | None = None,
+             rasterize_mode: str = "classic") -> tuple[dict, "object"]:
+    """Score ``splats`` on ``test_views``, rendered in the ``rasterize_mode`` they were trained for; returns
+    ``(summary dict, per-view DataFrame)`` (validated)."""
     import pandas as pd
     from tqdm import tqdm
 
@@ -147,9 +150,9 @@ def evaluate(splats: Splats, sh_degree: int, test_views: list, cfg: EvaluateConf
 
     rows, masked_fracs = [], []
     with torch.no_grad():
-        render_timed(model, test_views[0], sh_degree, backend)  # untimed warm-up (kernel compilation / caches)
+        render_timed(model, test_views[0], sh_degree, backend, rasterize_mode)  # untimed warm-up (kernel compilation / caches)
         for view in tqdm(test_views, desc="evaluate", unit="view", disable=not progress):
-            render, seconds = render_timed(model, view, sh_degree, backend)  # [H, W, 3]
+            render, seconds = render_timed(model, view, sh_degree, backend, rasterize_mode)  # [H, W, 3]
             # one image pair on the device at a time: decoded on the host, uploaded, freed after the view
             src = getattr(view, "source_size", None)  # a larger file: area-downscaled as training's targets
             gt = read_rgb(Path(view.image_path), *(src or (int(view.width), int(view.height))))  # [H, W, 3]
@@ -202,6 +205,7 @@ def evaluate(splats: Splats, sh_degree: int, test_views: list, cfg: EvaluateConf
             "split_rule": split_rule,
             "image_sizes": sorted({f"{w}x{h}" for w, h in zip(df["width"], df["height"])}),
             "color": "RGB in [0, 1]; renders clamped to [0, 1], black background; ground truth from 8-bit files",
+            "rasterize_mode": rasterize_mode,  # as the model was trained (train.rasterize_mode)
             "render_quantized_8bit": cfg.quantize_8bit,
             "metrics_on_8bit_images": bool(cfg.quantize_8bit),  # ground truth is 8-bit; the render only if quantized
             "resolution": resolution,  # the working size and the image source (splatflow.scene.resolution)
@@ -233,12 +237,14 @@ def evaluate_scene(ckpt_path: Path, undistorted_dir: Path, split_json: Path, cfg
 
     ``scene`` (already at its working size, with masks: :func:`splatflow.scene.resolution.load_working_scene`)
     replaces loading ``undistorted_dir``; ``resolution`` is what chose its size, recorded in the protocol."""
-    splats, sh_degree = load_splats(ckpt_path)
+    ckpt = Checkpoint.load(ckpt_path)
+    splats, sh_degree = ckpt.splats, ckpt.sh_degree
     if scene is None:
         scene = load_scene(undistorted_dir, split_json)
     rule = read_split(split_json).get("rule")
     summary, df = evaluate(splats, sh_degree, scene.test_views, cfg, renders_dir=renders_dir, split_rule=rule,
-                           train_json=train_json, progress=progress, resolution=resolution)
+                           train_json=train_json, progress=progress, resolution=resolution,
+                           rasterize_mode=ckpt.rasterize_mode)
     per_view_csv = Path(per_view_csv)
     per_view_csv.parent.mkdir(parents=True, exist_ok=True)
     df.to_csv(per_view_csv, index=False)

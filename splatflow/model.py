@@ -309,7 +309,8 @@ class Splats:
 
 
 @torch.no_grad()
-def render_view(splats: Splats, camera, sh_degree: int, backend: str = "auto") -> torch.Tensor:
+def render_view(splats: Splats, camera, sh_degree: int, backend: str = "auto",
+                rasterize_mode: str = "classic") -> torch.Tensor:
     """One view ``[H, W, 3]`` in [0, 1], black background, on the splats' device.
 
     ``camera`` has ``world_to_cam [4, 4]``, ``K [3, 3]``, ``width`` and ``height`` (a ``View`` of the scene or a
@@ -324,7 +325,7 @@ def render_view(splats: Splats, camera, sh_degree: int, backend: str = "auto") -
     viewmat = torch.as_tensor(np.asarray(camera.world_to_cam), dtype=torch.float32, device=dev)[None]  # [1, 4, 4]
     K = torch.as_tensor(np.asarray(camera.K), dtype=torch.float32, device=dev)[None]  # [1, 3, 3]
     colors, _, _ = rasterize(a.means, a.quats, a.scales, a.opacities, a.colors, viewmat, K, int(camera.width),
-                             int(camera.height), sh_degree=sh_degree, backend=name)
+                             int(camera.height), sh_degree=sh_degree, backend=name, rasterize_mode=rasterize_mode)
     return colors[0, ..., :3].clamp(0.0, 1.0)  # [H, W, 3]
 
 
@@ -348,6 +349,7 @@ class Checkpoint:
     finished: bool | None = None  # train: False while a run is unfinished (resumable); None: not a training run
     prune_during: dict | None = None  # train.prune_during's state; its "report" has "cuts", "phases", ...
     train: dict = field(default_factory=dict)  # the trainer's resume state (top-level keys on disk)
+    rasterize_mode: str = "classic"  # how the model was trained to be rendered (train.rasterize_mode)
 
     def to_dict(self) -> dict:
         d: dict[str, Any] = {"splats": self.splats.stored(copy=False).as_dict(), "sh_degree": int(self.sh_degree),
@@ -356,7 +358,9 @@ class Checkpoint:
             d["finished"] = bool(self.finished)
         if self.prune_during is not None:
             d["prune_during"] = self.prune_during
-        clash = sorted(set(self.train) & (set(d) | {"finished", "prune_during"}))
+        if self.rasterize_mode != "classic":  # (absent: classic, as every checkpoint written before the key)
+            d["rasterize_mode"] = self.rasterize_mode
+        clash = sorted(set(self.train) & (set(d) | {"finished", "prune_during", "rasterize_mode"}))
         if clash:
             raise ValueError(f"train state keys {clash} would overwrite the checkpoint's own entries")
         d.update(self.train)
@@ -374,7 +378,8 @@ class Checkpoint:
         finished = d.get("finished")
         return cls(splats=splats, sh_degree=int(d.get("sh_degree", 0)), step=int(d.get("step", 0)),
                    finished=None if finished is None else bool(finished), prune_during=d.get("prune_during"),
-                   train={k: v for k, v in d.items() if k not in own})
+                   train={k: v for k, v in d.items() if k not in own},
+                   rasterize_mode=str(d.get("rasterize_mode", "classic")))
 
     @property
     def resumable(self) -> bool:

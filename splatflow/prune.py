@@ -268,7 +268,7 @@ def run_prune(cfg, train_cfg, *, train_ckpt, out_ckpt, undistorted_dir=None, spl
             on_accepted=None if phases_ckpt is None else lambda state: save_phases(phases_ckpt, key, state))
         result.report["resumed_after_phase"] = None if resume is None else int(resume["next_phase"]) - 1
 
-    result.splats.to_checkpoint(sh_degree, step=ckpt.step).save(out_ckpt)  # no optimizer or resume state
+    result.splats.to_checkpoint(sh_degree, step=ckpt.step, rasterize_mode=ckpt.rasterize_mode).save(out_ckpt)  # no optimizer or resume state
     r = result.report
     order = ("gaussians_before", "gaussians_after", "size_mb_before", "size_mb_after", "val_psnr_before",
              "val_psnr_after", "phases", "stopped_early", "stop_reason")

@@ -67,6 +67,7 @@ def run(params: Params, paths: ScenePaths) -> dict:
         "plan": res.plan,  # steps and Gaussian budget as resolved for this scene and device (train.max_steps: auto)
         "window_pixels": res.window_pixels,  # train.patch_max_pixels as resolved for the backend (0 = whole images)
         "prune_during": res.prune_during,  # train.prune_during's cuts (null when off)
+        "appearance": res.appearance,  # train.appearance: the transforms' deviation from identity (null when off)
     }
 
 

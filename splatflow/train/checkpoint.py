@@ -47,7 +47,7 @@ def identity(cfg: TrainConfig, seed: int, scene) -> dict:
 
 
 def capture(gs: GaussianState, train: dict, *, step: int, sh_degree: int, finished: bool,
-            prune_during: dict | None = None) -> Checkpoint:
+            prune_during: dict | None = None, rasterize_mode: str = "classic") -> Checkpoint:
     """The checkpoint of a run now, every tensor on the CPU: the Gaussians' :meth:`GaussianState.state_dict`
     whole (its ``splats`` as the checkpoint's, the rest as ``train`` entries), the run's own ``train`` entries
     (identity, stopper, generators, time, events, ...) and ``train.prune_during``'s state."""
@@ -55,7 +55,7 @@ def capture(gs: GaussianState, train: dict, *, step: int, sh_degree: int, finish
     splats = g.pop("splats")
     return Checkpoint(splats=splats, sh_degree=sh_degree, step=step, finished=finished,
                       prune_during=None if prune_during is None else to_device(prune_during, "cpu"),
-                      train={**train, **g})
+                      train={**train, **g}, rasterize_mode=rasterize_mode)
 
 
 def restore(gs: GaussianState, ckpt: Checkpoint) -> dict:

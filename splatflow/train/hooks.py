@@ -5,6 +5,8 @@ Per step, in this order (gsplat's ``step_pre_backward`` / ``step_post_backward``
 
 * ``lr_factor(step)``: a multiplier of the position learning rate (1 for most),
 * ``step_pre_backward(gs, step, info)`` after the render (e.g. to retain the screen-space gradients it reads),
+* ``transform_render(image, view, step)``: the render ``[1, 3, H, W]`` of training view ``view`` as the loss
+  compares it with the photo (identity for most; train.appearance's colour transform),
 * ``loss_terms(gs, info)``: a term to add to the loss, or None,
 * ``step_post_backward(gs, step, info, lr=)`` after the optimizer step; ``info["refine"]`` carries a refine event
   to the policies after the one that made it and to the log,
@@ -58,6 +60,9 @@ class Policy:
 
     def step_pre_backward(self, gs: GaussianState, step: int, info: dict) -> None:
         return None
+
+    def transform_render(self, image: torch.Tensor, view: int, step: int) -> torch.Tensor:
+        return image
 
     def loss_terms(self, gs: GaussianState, info: dict) -> torch.Tensor | None:
         return None

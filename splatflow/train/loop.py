@@ -50,6 +50,8 @@ class Trainer(TrainingRun):
         for p in self.policies:
             p.step_pre_backward(gs, step, info)
         pred, gt = rgb.permute(2, 0, 1)[None], target.permute(2, 0, 1)[None]  # [1, 3, H, W]
+        for p in self.policies:
+            pred = p.transform_render(pred, i, step)
         mask = info["loss_mask"]  # [H, W] bool or None
         if mask is not None:  # masked pixels show the target instead of the render: no loss, no gradient there
             pred = torch.where(mask[None, None], pred, gt)

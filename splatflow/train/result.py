@@ -21,6 +21,7 @@ class TrainResult:
     resumed_from: int | None = None  # step of the unfinished checkpoint this run continued, if any
     device: dict = field(default_factory=dict)  # splatflow.device.run_record: what ran, peak GPU memory
     prune_during: dict | None = None  # train.prune_during's report (PruneDuring.report), when it ran
+    appearance: dict | None = None  # train.appearance: how far the transforms moved (Appearance.report)
     # numba compiling the CPU kernels before the first step (splatflow.train.precompile; not in train_seconds),
     # None when they were cached or the run is on a GPU
     compile_seconds: float | None = None

@@ -20,6 +20,7 @@ from splatflow.device import resolve as resolve_device
 from splatflow.errors import UserError
 from splatflow.model import SPLAT_KEYS, Checkpoint, Splats, init_splats, scene_scale
 from splatflow.train import checkpoint, plan, policies
+from splatflow.train.appearance import Appearance
 from splatflow.train.guards import DeferredChecks, StepChecks
 from splatflow.train.hooks import LoopContext
 from splatflow.train.prune_during import PruneDuring
@@ -75,6 +76,10 @@ class TrainingRun:
         splats = Splats.of(splats, "the initial splats").validate("the initial splats", "check where they come from")
         self.initial_count = splats.n
         self.policies, self.adam = policies.for_run(cfg, cpu=cpu, densify=densify, initial_count=splats.n)
+        # train.appearance: a colour transform per training view between the render and the loss
+        self.appearance = Appearance(len(self.views), cfg.appearance, cfg.max_steps, self.device) \
+            if cfg.appearance.enabled else None
+        self.policies += [self.appearance] if self.appearance is not None else []
         lrs = {"means": self.sched.means_lr.lr(0), "scales": cfg.lr.scales, "quats": cfg.lr.quats,
                "opacities": cfg.lr.opacities, "sh0": cfg.lr.sh0, "shN": cfg.lr.shN}
         self.state = GaussianState(splats, lrs, self.device, sparse=self.adam.sparse)
@@ -135,8 +140,11 @@ class TrainingRun:
                "initial_count": self.initial_count, "stopper": self.stopper.state_dict(),
                "rng": self.rng.state_dict(), "elapsed_seconds": self.elapsed_s, "events": self.events,
                "val_psnr": self.val_psnr}
+        if self.appearance is not None:
+            run["appearance"] = self.appearance.state_dict()
         return checkpoint.capture(self.state, run, step=self.step, sh_degree=self.sched.sh.degree(
-            max(self.step - 1, 0)), finished=finished, prune_during=self.pruner and self.pruner.state_dict())
+            max(self.step - 1, 0)), finished=finished, prune_during=self.pruner and self.pruner.state_dict(),
+            rasterize_mode=self.cfg.rasterize_mode)
 
     def load_state_dict(self, ckpt: Checkpoint | dict) -> None:
         """Continue from ``ckpt``, moved to this run's device."""
@@ -150,6 +158,8 @@ class TrainingRun:
         self.rng.load_state_dict(st["rng"])
         if self.pruner is not None and ckpt.prune_during:
             self.pruner.load_state_dict(ckpt.prune_during)
+        if self.appearance is not None and "appearance" in st:
+            self.appearance.load_state_dict(st["appearance"])
 
     def save(self, finished: bool, stopped: str = "") -> None:
         if self.ckpt_path:
@@ -181,6 +191,7 @@ class TrainingRun:
                            val_psnr=self.val_psnr, events=list(self.events), initial_psnr=initial_psnr,
                            resumed_from=self.resumed_from, device=run_record(self.run_device),
                            prune_during=self.pruner.report() if self.pruner is not None else None,
+                           appearance=self.appearance.report() if self.appearance is not None else None,
                            compile_seconds=self.compile_seconds, window_pixels=self.window_pixels,
                            plan=self.plan.record())
 

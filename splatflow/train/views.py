@@ -63,7 +63,8 @@ class TrainingViews:
         rgb, _, info = rasterize(
             a.means, a.quats, a.scales, a.opacities, a.colors, self.viewmats[i][None], Kt[None], w, h,
             sh_degree=sh_degree, backgrounds=None if background is None else background[None],
-            backend=self.cfg.backend, absgrad=self.cfg.densify.absgrad, window=win)
+            backend=self.cfg.backend, absgrad=self.cfg.densify.absgrad, window=win,
+            rasterize_mode=self.cfg.rasterize_mode)
         info["loss_mask"] = None if mask is None else mask.to(target.device)  # read by the step and validation
         if sparse:
             info["rows"], info["leaves"] = rows, src
