@@ -76,7 +76,8 @@ class LiveView:
         # viser and its dependencies are imported here, before training, not by the viewer's thread during a step:
         # an import there that draws from the global `random` would draw from the run's generator, which the loop
         # lends to the global one for the span of a step (splatflow.train.rng), and change the run
-        import splatflow.viewer  # noqa: F401  lazy: viser, which only a watched run needs
+        # lazy: viser, which only a watched run needs
+        import splatflow.viewer  # noqa: F401
 
         self._thread = threading.Thread(target=self._serve, name="splatflow-live-view", daemon=True)
         self._thread.start()
