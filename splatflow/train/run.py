@@ -59,11 +59,13 @@ class TrainingRun:
         self.sink = MetricsSink(csv_path, step_logger, watchers)
         self.compile_seconds: float | None = None
         # the views: images decoded on the host and uploaded per step, cameras on the device, training windows
-        self.data = TrainingViews(scene.train_views, cfg, self.device, cfg.window_pixels(self.run_device.backend))
+        # this run's own generators: Python's drawn directly (view order, windows), torch's lent per step
+        self.rng = RunRNG(seed, self.device)
+        self.data = TrainingViews(scene.train_views, cfg, self.device, cfg.window_pixels(self.run_device.backend),
+                                  rng=self.rng.python)
         self.views, self.cache, self.viewmats = self.data.views, self.data.cache, self.data.viewmats
         self.window_pixels = self.data.window_pixels  # train.patch_max_pixels, "auto" resolved
         reset_peak_memory(self.run_device)
-        self.rng = RunRNG(seed, self.device)  # this run's own generators, lent to the global ones per step
         self.scene_scale = scene_scale(np.stack([v.world_to_cam for v in self.views]))  # training cameras only
         self.sched = schedules or Schedules.from_config(cfg, self.scene_scale)
         cpu = self.run_device.backend == "cpu"
