@@ -23,6 +23,7 @@ BAD = {
     ("run",): [["run", "nosuchscene"], ["run", "demo", "--fast"]],
     ("ui",): [["ui", "--mlflow-port", "70000"]],
     ("serve",): [["serve", "--workers", "-1"]],
+    ("worker",): [["worker", "--server", "http://127.0.0.1:9", "--clone", "no/such/folder"], ["worker"]],
     ("flow",): [["flow", "nosuchscene"], ["flow", "demo", "-S", "train.no_such_key=1"]],
     ("batch",): [["batch", "nosuchscene", "--local"], ["batch", "--local", "-c", "train.max_steps=-5"]],
     ("runs", "reap"): [["runs", "reap", "--older-than-hours", "-1"]],
