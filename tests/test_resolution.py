@@ -12,6 +12,7 @@ from splatflow.scene.dataset import SceneData, View, load_scene
 from splatflow.scene.resolution import apply_resolution, read_view_rgb, target_size
 from splatflow.scene.images import ImageCache
 from splatflow.scene.synthetic import write_colmap_text_model
+from tests._project import stage_record
 
 BIG_W, BIG_H = 3200, 2000  # a real capture's size class: above the 1600 px default
 
