@@ -231,6 +231,8 @@ def peer_compare(args, cfg, dev, out: dict) -> None:
     if rc != 0:
         print(f"simple_trainer exited with {rc}: see {args.work / 'peer.log'}; its curve so far, if any:")
     peer = pg.read_peer_curve(result)
+    if args.peer_drop_lpips:  # its AlexNet trunk was a placeholder (no ImageNet weights offline): not a figure
+        peer = [{**p, "lpips": None} for p in peer]
     print(pg.curve_table("gsplat simple_trainer", peer))
     cmp = pg.compare(ours, peer)
     print(f"at simple_trainer's final {cmp['peer_final_psnr']:.2f} dB ({cmp['peer_seconds']:.1f} s): splatflow "
@@ -277,6 +279,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--peer-steps", type=int, default=30_000)
     ap.add_argument("--curve-points", type=int, default=8)
     ap.add_argument("--peer-timeout", type=float, default=3600.0, help="seconds before the peer is stopped")
+    ap.add_argument("--peer-drop-lpips", action="store_true", help="discard the peer's LPIPS (where its AlexNet "
+                    "trunk is a placeholder: bench/gpu_kit.py, a machine with no network)")
     ap.add_argument("--peer-only", action="store_true", help="with --peer-gsplat: only the comparison, not the "
                     "default run on the benchmark scene")
     args = ap.parse_args(argv)
@@ -323,9 +327,12 @@ def main(argv=None) -> dict:
     t = time.perf_counter()
     check_gsplat_cuda()  # first use compiles gsplat's kernels: timed on its own, not as training
     jit_s = time.perf_counter() - t
-    und, split_json, sfm = prepare(args.work, args.threads)
-    scene = load_scene(und, split_json)
     cfg = replace(train_config(args.max_steps, args.set), backend="cuda", resume=False)
+    if args.peer_only and args.scene is not None:  # the comparison's own scene: the benchmark scene is not needed
+        scene = load_bench_scene(args.scene, args.work, args.threads, args.max_side)[0]
+    else:
+        und, split_json, sfm = prepare(args.work, args.threads)
+        scene = load_scene(und, split_json)
     ckpt = args.work / "gpu_ckpt.pt"
     ckpt.unlink(missing_ok=True)  # a benchmark starts from nothing
     dev = resolve("cuda")

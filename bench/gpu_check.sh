@@ -13,13 +13,32 @@
 #
 #   bash bench/gpu_check.sh [OUTDIR]        (default bench/out/gpu; PYTHON=... picks the interpreter,
 #                                            GPU_WORK=... the benchmark's scene folder, reused when prepared,
-#                                            PHASES="build tests bench peer" which phases run, BENCH_ARGS=...
+#                                            PHASES="build tests bench peer" which phases run ("kerneltests": the
+#                                            Triton/torch kernels' CUDA tests alone, during the build), BENCH_ARGS=...
 #                                            more bench/gpu.py arguments, PROFILE_AT=5210 the profiled step)
+#
+# On a GPU machine with no package registry, KIT=<folder written by bench/gpu_kit.py> installs what it lacks from
+# that folder first (gsplat, pycolmap and the peer's packages into /tmp/splatflow_site, fused-ssim built there for
+# its GPU) and sets PEER_GSPLAT, PEER_PYTHON and PEER_SCENE to the kit's checkout, interpreter and real scene.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-bench/out/gpu}
-mkdir -p "$out"
+mkdir -p "$out" && out=$(cd "$out" && pwd)
 py=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
+pyabs=$(command -v "$py" || echo "$py"); case $pyabs in /*) ;; *) pyabs=$PWD/$pyabs;; esac
+if [ -n "${KIT:-}" ]; then
+  kit=$(cd "$KIT" && pwd) || { echo "KIT=$KIT: no such folder; write it with bench/gpu_kit.py"; exit 2; }
+  site=/tmp/splatflow_site
+  mkdir -p "$site" && tar xJf "$kit/site.tar.xz" -C "$site" || { echo "$kit/site.tar.xz: could not unpack"; exit 2; }
+  export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  # the peer's interpreter: the old pycolmap (SceneManager) and fused-ssim first, the placeholder AlexNet
+  # checkpoint as its torch hub (its LPIPS is then discarded: --peer-drop-lpips)
+  printf '#!/bin/sh\nPYTHONPATH="%s:%s:$PYTHONPATH" TORCH_HOME="%s" exec %s "$@"\n' \
+    "$kit/peer-site" "$kit/fused-ssim" "$kit" "$pyabs" > /tmp/peer-python
+  chmod +x /tmp/peer-python
+  export PEER_GSPLAT=${PEER_GSPLAT:-$kit/gsplat} PEER_PYTHON=${PEER_PYTHON:-/tmp/peer-python}
+  export PEER_SCENE=${PEER_SCENE:-$kit/scene} PEER_ARGS="${PEER_ARGS:-} --peer-drop-lpips"
+fi
 work=${GPU_WORK:-/tmp/splatflow_gpu_bench}
 export OMP_WAIT_POLICY=PASSIVE PYTHONUNBUFFERED=1 SPLATFLOW_TRACKING=off
 # the Triton Adam and loss kernels are opt-in until a GPU run has checked them: this script is that run
@@ -41,6 +60,18 @@ want() { case " ${PHASES:-build tests bench peer} " in *" $1 "*) return 0;; esac
 # 1. gsplat's kernels, and the CPU training step's kernels (numba, to its on-disk cache) compiled beside them
 # (the build phase is needed by the others; on a machine that built them already it takes seconds)
 (timeout 400 $py bench/train_step.py --cases 2K@240x135 --steps 3 --threads 4 > "$out/cpu_warmup.log" 2>&1) &
+if [ -n "${KIT:-}" ]; then  # fused-ssim (one .cu file) for the peer, beside gsplat's build
+  (t0=$(stamp); cd "$kit/fused-ssim" && timeout 400 "$pyabs" setup.py build_ext --inplace > "$out/fused_ssim_build.log" 2>&1
+   echo "fused-ssim build: rc=$? in $(( $(stamp) - t0 )) s" >> "$out/summary.txt") &
+fi
+if want kerneltests; then  # the kernels that need no gsplat (Triton, torch), on the GPU beside gsplat's build
+  (t0=$(stamp); timeout ${TEST_TIMEOUT:-240} $py -m pytest -m cuda -q -rA -p no:cacheprovider -o addopts="" \
+     tests/test_ssim.py tests/test_score_torch.py tests/test_multi_adam.py tests/test_ssim_triton.py \
+     > "$out/pytest_kernels_cuda.log" 2>&1
+   krc=$?; echo "CUDA kernel tests: rc=$krc in $(( $(stamp) - t0 )) s: $(tail -1 "$out/pytest_kernels_cuda.log")" \
+     >> "$out/summary.txt"; grep -E "removal cost on" "$out/pytest_kernels_cuda.log" >> "$out/summary.txt"
+   [ $krc -eq 0 ] || touch "$out/.kernels_failed") &
+fi
 t=$(stamp)
 timeout ${BUILD_TIMEOUT:-400} $py -c "from splatflow.device import check_gsplat_cuda; check_gsplat_cuda()" \
   > "$out/gsplat_build.log" 2>&1
@@ -50,6 +81,10 @@ tail -5 "$out/gsplat_build.log"
 wait
 cat "$out/cpu_warmup.log"
 [ $rc -eq 0 ] || { echo "gsplat's kernels did not build: see $out/gsplat_build.log"; exit 1; }
+if [ -e "$out/.kernels_failed" ]; then  # the benchmarks then time torch's own ops, not kernels that failed
+  export SPLATFLOW_TRITON=0; rm -f "$out/.kernels_failed"
+  echo "the Triton kernels failed their CUDA tests: the benchmarks run without them" | tee -a "$out/summary.txt"
+fi
 
 # 2. the CUDA tests
 if want tests; then
@@ -84,10 +119,11 @@ if [ -z "${PEER_GSPLAT:-}" ]; then
   echo "peer comparison: skipped (set PEER_GSPLAT to a gsplat checkout)" | tee -a "$out/summary.txt"
 else
 t=$(stamp)
-timeout ${PEER_TIMEOUT:-420} $py bench/gpu.py --work "$work" --json "$out/gpu_peer.json" --peer-only \
+timeout $(( ${PEER_TIMEOUT:-420} + ${OURS_TIMEOUT:-300} )) $py bench/gpu.py --work "$work" --json "$out/gpu_peer.json" --peer-only \
   --peer-gsplat "$PEER_GSPLAT" --peer-python "${PEER_PYTHON:-$py}" ${PEER_SCENE:+--scene "$PEER_SCENE"} \
   ${PEER_MAX_SIDE:+--max-side "$PEER_MAX_SIDE"} --peer-steps "${PEER_STEPS:-30000}" \
-  --peer-timeout "${PEER_TIMEOUT:-420}" > "$out/gpu_peer.log" 2>&1
+  --peer-timeout "${PEER_TIMEOUT:-420}" ${PEER_PROFILE_AT:+--profile-at "$PEER_PROFILE_AT"} ${PEER_ARGS:-} \
+  > "$out/gpu_peer.log" 2>&1
 echo "bench/gpu.py --peer-gsplat: rc=$? in $(( $(stamp) - t )) s" | tee -a "$out/summary.txt"
 grep -v "it/s\]$" "$out/gpu_peer.log" | tail -40
 fi

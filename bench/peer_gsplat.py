@@ -110,9 +110,11 @@ def _rotmat_to_qvec(R: np.ndarray) -> np.ndarray:
     return -q if q[0] < 0 else q
 
 
-def write_colmap_binary(model_dir: Path, views, points: np.ndarray, colors: np.ndarray) -> None:
+def write_colmap_binary(model_dir: Path, views, points: np.ndarray, colors: np.ndarray,
+                        png_names: bool = True) -> None:
     """``cameras.bin``, ``images.bin``, ``points3D.bin`` (COLMAP's binary layout): one PINHOLE camera per view
-    (its size and ``K``), the view's world-to-camera pose, no 2D observations; the points with empty tracks."""
+    (its size and ``K``), the view's world-to-camera pose, no 2D observations; the points with empty tracks.
+    Images are named as in the peer's dataset (``png_names``) or by the views' own names."""
     model_dir.mkdir(parents=True, exist_ok=True)
     with open(model_dir / "cameras.bin", "wb") as f:
         f.write(struct.pack("<Q", len(views)))
@@ -127,7 +129,7 @@ def write_colmap_binary(model_dir: Path, views, points: np.ndarray, colors: np.n
             f.write(struct.pack("<i", iid))
             f.write(struct.pack("<7d", *_rotmat_to_qvec(w2c[:3, :3]), *w2c[:3, 3]))
             f.write(struct.pack("<i", iid))
-            f.write(peer_name(v.name).encode() + b"\x00")
+            f.write((peer_name(v.name) if png_names else v.name).encode() + b"\x00")
             f.write(struct.pack("<Q", 0))  # no 2D points
     pts = np.asarray(points, dtype=np.float64).reshape(-1, 3)
     rgb = np.asarray(colors, dtype=np.uint8).reshape(-1, 3)
