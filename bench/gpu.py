@@ -211,7 +211,8 @@ def peer_compare(args, cfg, dev, out: dict) -> None:
     ckpt = args.work / "peer_ours_ckpt.pt"
     ckpt.unlink(missing_ok=True)
     trainer = Trainer(scene, cfg, ckpt_path=ckpt, seed=0)
-    rec = CurveRecorder(trainer, scene.test_views, curve_steps(cfg.max_steps, args.curve_points), lpips)
+    # trainer.cfg: the plan resolved (train.max_steps "auto" is sized from the scene and the GPU)
+    rec = CurveRecorder(trainer, scene.test_views, curve_steps(trainer.cfg.max_steps, args.curve_points), lpips)
     prof: dict = {}
     if args.peer_only and args.profile_at is not None:
         profile_steps(trainer, args.profile_at, args.profile_steps, prof)

@@ -8,7 +8,7 @@ before anything runs. It holds:
 * ``site.tar.xz``: the wheels unpacked (a wheel is a zip of its files, so unpacking it installs it) and packed
   with xz (pycolmap's 38 MB wheel packs to about 21 MB): gsplat (without glm's docs and tests, which it never
   reads), pycolmap, and what gsplat's ``examples/simple_trainer.py`` imports that such a machine lacks (tyro,
-  viser, nerfview and their small dependencies).
+  viser, nerfview and their small dependencies, splines among them).
 * ``gsplat/``: ``examples/`` of a gsplat checkout (the peer's script and its dataset parser; run, never copied
   into the repository).
 * ``fused-ssim/``: the fused-ssim sources (simple_trainer's SSIM loss), built for the machine's GPU there.
@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 # what the GPU machine lacks: splatflow's (gsplat, pycolmap) and the peer's (tyro, viser, nerfview's needs)
 WHEELS = ["gsplat==1.5.3", "pycolmap==4.2.1", "tyro==0.9.32", "docstring-parser", "typeguard", "shtab",
-          "viser==1.1.1", "msgspec", "trimesh", "websockets<16", "zstandard"]
+          "viser==1.1.1", "msgspec", "trimesh", "websockets<16", "zstandard", "splines"]
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux1_x86_64", "manylinux_2_5_x86_64", "any"]
 FUSED_SSIM_FILES = ("setup.py", "ext.cpp", "ssim.cu", "ssim.h", "fused_ssim")
