@@ -447,6 +447,11 @@ def build_report(paths: ScenePaths, cfg: ReportConfig | None = None, *, max_psnr
            _row("points seen by two views only", _metric(m, "sfm.points_two_view_fraction", 3),
                 "weakly triangulated")]
           if sfm.get("image_reprojection_error_px_median") is not None else []),
+        *([_row("camera path", _metric(m, "sfm.camera_path_jump_ratio", 1, "x")
+                + (f" <b>jump: {html.escape(sfm['camera_path_jump_between'])}</b>"
+                   if sfm.get("camera_path_jump_between") else ""),
+                "largest step between cameras consecutive in name order, over the median step")]
+          if sfm.get("camera_path_jump_ratio") is not None else []),
         *([_row("fit to train on", "<b>poor</b>", html.escape(fitness_warning(sfm) or ""))]
           if sfm.get("fitness_poor") else []),
         *([_row("camera centre error", _metric(m, "sfm.camera_center_error_rel", 5),
