@@ -419,6 +419,10 @@ class TrainConfig:
     lr: LearningRates = field(default_factory=LearningRates)
     resolution: tuple[ResolutionPhase, ...] = field(default_factory=_default_phases)
     blur: BlurConfig = field(default_factory=BlurConfig)
+    # true: the resolution and blur schedules above; false: whole resolution and no blur from the first step;
+    # "auto": true on the CPU backend (its early steps are cheap at low resolution), false on CUDA (a GPU step costs
+    # about the same at any size, so a coarse start only delays the detail). Resolved by the plan (train/plan.py)
+    coarse_to_fine: bool | Literal["auto"] = "auto"
     densify: DensifyConfig = field(default_factory=DensifyConfig)
     early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
     appearance: AppearanceConfig = field(default_factory=AppearanceConfig)
@@ -441,6 +445,8 @@ class TrainConfig:
               "train.patch_max_pixels", "auto, 0 (whole images) or an integer >= 1024", self.patch_max_pixels)
         check(0.0 <= self.patch_level_exponent <= 4.0, "train.patch_level_exponent", "a number in [0, 4]",
               self.patch_level_exponent)
+        check(self.coarse_to_fine in (True, False, "auto"), "train.coarse_to_fine", "auto, true or false",
+              self.coarse_to_fine)
         check(len(self.resolution) >= 1, "train.resolution", "a non-empty list of phases", self.resolution)
         steps = self.max_steps if self.max_steps != "auto" else 10_000  # fractions keep their order at any length
         starts = [p.start_step if p.start_step is not None else p.start_fraction * steps
@@ -460,8 +466,9 @@ class TrainConfig:
 
     @property
     def planned(self) -> bool:
-        """True when the step count and the Gaussian budget are numbers (pinned, or resolved by the plan)."""
-        return self.max_steps != "auto" and self.densify.max_gaussians != "auto"
+        """True when the step count, the Gaussian budget and the schedule are settled (pinned, or resolved by the
+        plan)."""
+        return self.max_steps != "auto" and self.densify.max_gaussians != "auto" and self.coarse_to_fine != "auto"
 
     def window_pixels(self, backend: str) -> int:
         """The window area a run on ``backend`` ("cpu", "cuda", "torch") trains on: ``patch_max_pixels``, with

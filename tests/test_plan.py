@@ -63,7 +63,8 @@ def test_quality_is_one_knob_that_orders_steps_and_budget():
 
 
 def test_numbers_pin_the_plan_and_bad_values_name_the_key():
-    cfg = TrainConfig(max_steps=1234, densify=replace(TrainConfig().densify, max_gaussians=5678))
+    cfg = TrainConfig(max_steps=1234, coarse_to_fine=False,
+                      densify=replace(TrainConfig().densify, max_gaussians=5678))
     p = plan.resolve(cfg, None, "cuda", 80.0, pixels=BONSAI)
     assert (p.max_steps, p.max_gaussians, p.steps_auto, p.gaussians_auto) == (1234, 5678, False, False)
     assert "as set in params.yaml" in p.describe()
@@ -129,3 +130,22 @@ def test_a_cuda_run_reads_its_card_memory_for_the_plan(monkeypatch):
     p = plan.resolve(TrainConfig(), None, "cuda", gib, pixels=BONSAI)
     assert p.max_gaussians == min(plan.resolve(TrainConfig(), None, "cuda", 1000.0, pixels=BONSAI).max_gaussians,
                                   plan.GAUSSIANS_PER_GIB * 16)
+
+
+def test_coarse_to_fine_is_the_cpus_and_whole_images_from_the_start_the_gpus():
+    """auto: the CPU keeps the resolution and blur schedules (cheap early steps); CUDA trains whole resolution,
+    unblurred, from the first step (a GPU step costs about the same at any size). A pinned value holds on either."""
+    cpu = plan.apply(TrainConfig(), plan.resolve(TrainConfig(), None, "cpu", pixels=BONSAI))
+    assert cpu.coarse_to_fine is True
+    assert cpu.resolution == TrainConfig().resolution and cpu.blur == TrainConfig().blur
+    gpu_plan = plan.resolve(TrainConfig(), None, "cuda", 80.0, pixels=BONSAI)
+    gpu = plan.apply(TrainConfig(), gpu_plan)
+    assert gpu.coarse_to_fine is False
+    assert [(p.factor, p.start_fraction) for p in gpu.resolution] == [(1.0, 0.0)]
+    assert gpu.blur.sigma_start_px == 0.0
+    assert gpu_plan.record()["coarse_to_fine"] == 0 and "train.coarse_to_fine: false" in gpu_plan.describe()
+    pinned = TrainConfig(coarse_to_fine=True)
+    kept = plan.apply(pinned, plan.resolve(pinned, None, "cuda", 80.0, pixels=BONSAI))
+    assert kept.resolution == TrainConfig().resolution and kept.blur == TrainConfig().blur
+    with pytest.raises(ConfigError, match="train.coarse_to_fine"):
+        params_from_dict({"train": {"coarse_to_fine": "sometimes"}})

@@ -19,7 +19,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from splatflow.config import TrainConfig
+from splatflow.config import ResolutionPhase, TrainConfig
 
 # The content of the benchmark room the CPU defaults were tuned on: 32 training views at 800x600.
 REFERENCE_CONTENT_PX = 32 * 800 * 600
@@ -65,17 +65,20 @@ class Plan:
     pixels_per_view: int  # median at the working size
     content_ratio: float  # content / REFERENCE_CONTENT_PX
     gpu_memory_gib: float | None = None
+    coarse_to_fine: bool = True
+    coarse_to_fine_auto: bool = False
 
     def record(self) -> dict:
         """For train.json and MLflow: numbers only."""
         return {"max_steps": self.max_steps, "max_gaussians": self.max_gaussians,
                 "steps_auto": int(self.steps_auto), "gaussians_auto": int(self.gaussians_auto),
+                "coarse_to_fine": int(self.coarse_to_fine), "coarse_to_fine_auto": int(self.coarse_to_fine_auto),
                 "train_views": self.train_views, "pixels_per_view": self.pixels_per_view,
                 "content_ratio": round(self.content_ratio, 4), "gpu_memory_gib": self.gpu_memory_gib}
 
     def describe(self) -> str:
         what = []
-        if self.steps_auto or self.gaussians_auto:
+        if self.steps_auto or self.gaussians_auto or self.coarse_to_fine_auto:
             what.append(f"{self.quality} plan for {self.train_views} training views of "
                         f"{self.pixels_per_view / 1e6:.2f} MP on {self.device_kind}")
         pin = []
@@ -83,7 +86,10 @@ class Plan:
             pin.append(f"train.max_steps: {self.max_steps}")
         if self.gaussians_auto:
             pin.append(f"train.densify.max_gaussians: {self.max_gaussians}")
-        head = f"{self.max_steps} steps, at most {self.max_gaussians:,} Gaussians"
+        if self.coarse_to_fine_auto:
+            pin.append(f"train.coarse_to_fine: {str(self.coarse_to_fine).lower()}")
+        head = (f"{self.max_steps} steps, at most {self.max_gaussians:,} Gaussians, "
+                + ("coarse to fine" if self.coarse_to_fine else "whole resolution from the start"))
         return head + (f" ({what[0]}; pin with {', '.join(pin)})" if pin else " (as set in params.yaml)")
 
 
@@ -111,13 +117,20 @@ def resolve(cfg: TrainConfig, views, device_kind: str, gpu_memory_gib: float | N
         budget = _scaled(lim.gaussians, lim.gaussians_min, lim.gaussians_max, ratio, 10_000)
         if kind == "cuda" and gpu_memory_gib:
             budget = min(budget, int(GAUSSIANS_PER_GIB * gpu_memory_gib) // 10_000 * 10_000)
+    c2f = (kind == "cpu") if cfg.coarse_to_fine == "auto" else bool(cfg.coarse_to_fine)
     return Plan(max_steps=int(steps), max_gaussians=int(budget), steps_auto=cfg.max_steps == "auto",
                 gaussians_auto=cfg.densify.max_gaussians == "auto", quality=cfg.quality, device_kind=kind,
                 train_views=n, pixels_per_view=per_view, content_ratio=ratio,
-                gpu_memory_gib=None if kind == "cpu" else gpu_memory_gib)
+                gpu_memory_gib=None if kind == "cpu" else gpu_memory_gib, coarse_to_fine=c2f,
+                coarse_to_fine_auto=cfg.coarse_to_fine == "auto")
 
 
 def apply(cfg: TrainConfig, plan: Plan) -> TrainConfig:
-    """``cfg`` with the plan's numbers in place of "auto"."""
-    return dataclasses.replace(cfg, max_steps=plan.max_steps,
-                               densify=dataclasses.replace(cfg.densify, max_gaussians=plan.max_gaussians))
+    """``cfg`` with the plan's numbers in place of "auto"; without coarse to fine, one whole-resolution phase
+    and no blur in place of the schedules."""
+    out = dataclasses.replace(cfg, max_steps=plan.max_steps, coarse_to_fine=plan.coarse_to_fine,
+                              densify=dataclasses.replace(cfg.densify, max_gaussians=plan.max_gaussians))
+    if not plan.coarse_to_fine:
+        out = dataclasses.replace(out, resolution=(ResolutionPhase(1.0, start_fraction=0.0),),
+                                  blur=dataclasses.replace(cfg.blur, sigma_start_px=0.0))
+    return out
