@@ -38,6 +38,7 @@ from pathlib import Path
 
 os.environ.setdefault("SPLATFLOW_TRACKING", "off")
 
+T0 = time.monotonic()  # the script's start (--deadline)
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -228,7 +229,12 @@ def peer_compare(args, cfg, dev, out: dict) -> None:
                           curve_steps(args.peer_steps, args.curve_points))
     print(f"running simple_trainer ({args.peer_steps} steps; log {args.work / 'peer.log'}):\n  {' '.join(cmd)}",
           flush=True)
-    rc = pg.run_peer(cmd, args.peer_root / "examples", result, args.work / "peer.log", args.peer_timeout)
+    timeout = args.peer_timeout
+    if args.deadline is not None:  # what is left of the whole script's time, less a margin to read and print
+        timeout = min(timeout, args.deadline - (time.monotonic() - T0) - 15.0)
+        print(f"simple_trainer gets {timeout:.0f} s (--deadline {args.deadline:.0f} s); its curve so far is read "
+              "if it is stopped", flush=True)
+    rc = pg.run_peer(cmd, args.peer_root / "examples", result, args.work / "peer.log", max(timeout, 1.0))
     if rc != 0:
         print(f"simple_trainer exited with {rc}: see {args.work / 'peer.log'}; its curve so far, if any:")
     peer = pg.read_peer_curve(result)
@@ -280,6 +286,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--peer-steps", type=int, default=30_000)
     ap.add_argument("--curve-points", type=int, default=8)
     ap.add_argument("--peer-timeout", type=float, default=3600.0, help="seconds before the peer is stopped")
+    ap.add_argument("--deadline", type=float, default=None, help="seconds this script may run in all: the peer "
+                    "is stopped in time for its curve so far to be read and compared")
     ap.add_argument("--peer-drop-lpips", action="store_true", help="discard the peer's LPIPS (where its AlexNet "
                     "trunk is a placeholder: bench/gpu_kit.py, a machine with no network)")
     ap.add_argument("--peer-only", action="store_true", help="with --peer-gsplat: only the comparison, not the "

@@ -119,7 +119,8 @@ if [ -z "${PEER_GSPLAT:-}" ]; then
   echo "peer comparison: skipped (set PEER_GSPLAT to a gsplat checkout)" | tee -a "$out/summary.txt"
 else
 t=$(stamp)
-timeout $(( ${PEER_TIMEOUT:-420} + ${OURS_TIMEOUT:-300} )) $py bench/gpu.py --work "$work" --json "$out/gpu_peer.json" --peer-only \
+limit=$(( ${PEER_TIMEOUT:-420} + ${OURS_TIMEOUT:-300} ))
+timeout $limit $py bench/gpu.py --deadline $(( limit - 10 )) --work "$work" --json "$out/gpu_peer.json" --peer-only \
   --peer-gsplat "$PEER_GSPLAT" --peer-python "${PEER_PYTHON:-$py}" ${PEER_SCENE:+--scene "$PEER_SCENE"} \
   ${PEER_MAX_SIDE:+--max-side "$PEER_MAX_SIDE"} --peer-steps "${PEER_STEPS:-30000}" \
   --peer-timeout "${PEER_TIMEOUT:-420}" ${PEER_PROFILE_AT:+--profile-at "$PEER_PROFILE_AT"} ${PEER_ARGS:-} \
