@@ -37,6 +37,8 @@ def main(argv=None) -> int:
     ap.add_argument("--work", type=Path, default=Path("/tmp/splatflow_curve"))
     ap.add_argument("--max-steps", type=int, default=3000)
     ap.add_argument("--points", type=int, default=6)
+    ap.add_argument("--stop-after", type=int, default=None, help="end each arm after this many steps (the start "
+                    "of a longer run: its schedules still span --max-steps)")
     ap.add_argument("--max-side", type=int, default=None, help="longest image side, px (default: the scene's)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--backend", default="auto", help="train.backend for every arm")
@@ -65,7 +67,9 @@ def main(argv=None) -> int:
     scene, info = load_bench_scene(a.scene, a.work, a.threads, a.max_side)
     print(f"{a.scene}: {len(scene.train_views)} train / {len(scene.test_views)} test views at "
           f"{', '.join(info['sizes'])}; {a.max_steps} steps per arm", flush=True)
-    at = curve_steps(a.max_steps, a.points)
+    at = [n for n in curve_steps(a.max_steps, a.points) if a.stop_after is None or n < a.stop_after]
+    if a.stop_after is not None:
+        at = sorted(set(at + [a.stop_after]))
     results = {}
     for name, sets in arms:
         try:
@@ -75,7 +79,7 @@ def main(argv=None) -> int:
         cfg = replace(cfg, backend=a.backend, resume=False, progress=False,
                       early_stop=replace(cfg.early_stop, enabled=False))
         torch.manual_seed(0)
-        tr = Trainer(scene, cfg, ckpt_path=a.work / f"{name}.pt", seed=0)
+        tr = Trainer(scene, cfg, ckpt_path=a.work / f"{name}.pt", seed=0, stop_after=a.stop_after)
         (a.work / f"{name}.pt").unlink(missing_ok=True)
         rec = CurveRecorder(tr, scene.test_views, at)
         tr.run()

@@ -147,7 +147,9 @@ class SfmConfig:
     matcher: Literal["auto", "exhaustive", "sequential"] = "auto"
     exhaustive_max_images: int = 120
     sequential_overlap: int = 10
-    mapper: Literal["incremental", "global"] = "incremental"
+    # "auto": global mapping for sets past `exhaustive_max_images` (matched sequentially: incremental mapping lets
+    # drift along a long walk-around stand, global mapping solves every camera at once), incremental below
+    mapper: Literal["auto", "incremental", "global"] = "auto"
     max_num_features: int = 8192
     min_registered_fraction: float = 0.8  # fewer registered images than this fraction fails the stage
     refine_principal_point: bool = False

@@ -39,3 +39,15 @@ def test_a_small_jump_against_the_extent_is_not_one():
 def test_too_few_cameras_give_no_measure():
     names, centers = _walk(3)
     assert camera_path_jump(names, centers) == {}
+
+
+def test_auto_mapping_is_global_past_the_exhaustive_limit_and_a_set_value_holds():
+    from splatflow.config import SfmConfig
+    from splatflow.scene.sfm import choose_mapper
+
+    cfg = SfmConfig()  # mapper auto, exhaustive_max_images 120
+    assert choose_mapper(cfg, 36) == "incremental"
+    assert choose_mapper(cfg, 120) == "incremental"
+    assert choose_mapper(cfg, 252) == "global"
+    assert choose_mapper(SfmConfig(mapper="incremental"), 252) == "incremental"
+    assert choose_mapper(SfmConfig(mapper="global"), 36) == "global"
