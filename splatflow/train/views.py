@@ -27,8 +27,9 @@ class TrainingViews:
     """``views`` (the training views) on ``device``, rendered with the train settings ``cfg`` and training windows
     of ``window_pixels`` (``train.patch_max_pixels`` as resolved for the backend; 0 = whole images)."""
 
-    def __init__(self, views: list, cfg, device: torch.device, window_pixels: int):
+    def __init__(self, views: list, cfg, device: torch.device, window_pixels: int, rng=None):
         self.views, self.cfg, self.device, self.window_pixels = list(views), cfg, device, window_pixels
+        self.rng = rng  # the run's random.Random the training windows are drawn from (None: the random module)
         self.cache = ImageCache(self.views, cfg.image_cache_mb)
         self.viewmats = [torch.as_tensor(np.asarray(v.world_to_cam, dtype=np.float32), device=device)
                          for v in self.views]  # [4, 4] each
@@ -48,7 +49,8 @@ class TrainingViews:
         (``params`` get no gradient).
         """
         w, h = self.cache.shape(i, factor)
-        win = patch_window(w, h, level_budget(self.window_pixels, factor, self.cfg.patch_level_exponent)) \
+        win = patch_window(w, h, level_budget(self.window_pixels, factor, self.cfg.patch_level_exponent),
+                           rng=self.rng) \
             if patch else None
         target, K = self.cache.get(i, factor, device=self.device, window=win)  # only the window is uploaded
         mask = self.cache.mask(i, factor, window=win)  # [H, W] bool keep-mask, None without masks
