@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,10 +70,38 @@ def ui_url(flow_run_id: str) -> str | None:
     return f"{base}/runs/flow-run/{flow_run_id}"
 
 
+@contextlib.contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """SIGTERM raises Prefect's ``TerminationSignal`` in this process, in the flow and between its runs alike.
+
+    Inside a flow run Prefect's own handler raises it, so the running stage's task stops its stage (the whole
+    process group below DVC: the stage records its MLflow run KILLED), the scene's run ends KILLED and the flow
+    run Crashed. Prefect then hands the signal on to the handler it found when the run began, by sending it to
+    this process again: with Python's default there, ``splatflow run`` died on the spot with no exit status of
+    its own and no exit handlers, leaving Prefect's ephemeral API server running without a parent. With this
+    handler in place the stop reaches :func:`run_scenes` as an exception, ``splatflow run`` exits 143 and the
+    ephemeral server is stopped on the way out."""
+    from prefect.exceptions import TerminationSignal
+
+    def stop(signum, frame) -> None:  # noqa: ARG001 - the signal module's signature
+        raise TerminationSignal(signal=signum)
+
+    old = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def run_scenes(root: Path, scenes: list[str], *, force: bool,
                say: Callable[[str], None] = print) -> list[SceneOutcome]:
     """Each scene through the in-place ``reconstruct`` flow; stops at the first scene that does not finish (like
     ``dvc repro``). A bad input of a scene (a missing capture) raises its UserError before anything runs."""
+    with sigterm_raises():
+        return _run_scenes(root, scenes, force=force, say=say)
+
+
+def _run_scenes(root: Path, scenes: list[str], *, force: bool, say: Callable[[str], None]) -> list[SceneOutcome]:
     from prefect.exceptions import TerminationSignal
 
     if str(root) not in sys.path:  # the flows come from the project that runs, not from the cwd
