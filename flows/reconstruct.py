@@ -23,10 +23,15 @@ from typing import Any, Literal, Optional
 
 from prefect import flow, get_run_logger, task
 from prefect.context import get_run_context
+from prefect.states import Completed, State
 
 from splatflow import tracking
 from splatflow.orchestrate import dvcrun, hosts
 from splatflow.orchestrate.workspace import workspace_lock, worktree
+
+
+#: The name of a stage task's state when DVC found the stage up to date (a Completed state: the flow goes on).
+SKIPPED = "Skipped"
 
 
 def _retry_only_when_busy(task_obj, task_run, state) -> bool:  # noqa: ARG001 - Prefect's hook signature
@@ -42,15 +47,21 @@ def _retry_only_when_busy(task_obj, task_run, state) -> bool:  # noqa: ARG001 - 
 @task(retries=3, retry_delay_seconds=[5, 15, 30], retry_condition_fn=_retry_only_when_busy, cache_policy=None,
       persist_result=False)
 def run_stage(root: str, stage: str, run_id: Optional[str], tracking_uri: str, force: bool = False,
-              timeout_s: Optional[float] = None) -> dict:
-    """One DVC stage (``train@demo``) as a Prefect task; its output streams into the task's log."""
+              timeout_s: Optional[float] = None, echo: bool = False):
+    """One DVC stage (``train@demo``) as a Prefect task; its output streams into the task's log (and, with
+    ``echo``, to this process's stdout as it comes). A stage DVC found up to date ends in a Completed state named
+    ``Skipped``, so the dashboard tells it from a stage that ran."""
     logger = get_run_logger()
     env = dvcrun.stage_env({"MLFLOW_RUN_ID": run_id, "MLFLOW_TRACKING_URI": tracking_uri})
     if run_id is None:
         env["SPLATFLOW_TRACKING"] = "off"
-    res = dvcrun.run_dvc_stage(root, stage, force=force, timeout_s=timeout_s, env=env, on_line=logger.info)
+    res = dvcrun.run_dvc_stage(root, stage, force=force, timeout_s=timeout_s, env=env, on_line=logger.info,
+                               echo=sys.stdout if echo else None)
     logger.info("%s %s in %.1f s", stage, "up to date (skipped)" if res.skipped else "ran", res.seconds)
-    return {"stage": stage, "seconds": round(res.seconds, 3), "skipped": res.skipped}
+    out = {"stage": stage, "seconds": round(res.seconds, 3), "skipped": res.skipped}
+    if res.skipped:
+        return Completed(name=SKIPPED, message=f"{stage}: DVC found it up to date and did not run it", data=out)
+    return out
 
 
 def _params_for_logging(path: Path, scene: str):
@@ -77,7 +88,7 @@ def _flow_run_tags() -> dict[str, str]:
 
 def reproduce(root: Path, scene: str, *, main_root: Path, force: bool, stage_timeout_s: Optional[float],
               parent_run_id: Optional[str], run_name: Optional[str], tags: dict[str, str],
-              skip_finished: bool = False, on_host: bool = False) -> dict[str, Any]:
+              skip_finished: bool = False, on_host: bool = False, echo: bool = False) -> dict[str, Any]:
     """The body shared by the flow's workspace modes: MLflow run, stages as tasks, final logging.  ``on_host``:
     pull the scene's inputs from the DVC remote first and publish its results after (:mod:`~splatflow.orchestrate
     .hosts`)."""
@@ -113,8 +124,10 @@ def reproduce(root: Path, scene: str, *, main_root: Path, force: bool, stage_tim
             logger.info("MLflow run %s at %s", run.run_id, uri)
         for stage in stages:
             name = stage.partition("@")[0]
-            results.append(run_stage.with_options(name=name, task_run_name=stage)(
-                str(root), stage, run.run_id, uri, force, stage_timeout_s))
+            res = run_stage.with_options(name=name, task_run_name=stage)(
+                str(root), stage, run.run_id, uri, force, stage_timeout_s, echo)
+            # a skipped stage's task returns its Skipped state, which the call hands back as it is: its record
+            results.append(res.result() if isinstance(res, State) else res)
         if on_host:  # only after every stage succeeded: a host that dies earlier has published nothing
             hosts.publish_results(root, stages, run.run_id, run.client, on_line=logger.info)
             logger.info("scene %s: outputs pushed to the DVC remote, lock entries and metrics logged to MLflow", scene)
@@ -177,7 +190,7 @@ def reconstruct(scene: str = "demo", repo: Optional[str] = None,
                 overrides: Optional[dict[str, Any]] = None, force: bool = False,
                 stage_timeout_s: Optional[float] = None, parent_run_id: Optional[str] = None,
                 run_name: Optional[str] = None, tags: Optional[dict[str, str]] = None,
-                skip_finished: bool = False) -> dict[str, Any]:
+                skip_finished: bool = False, echo: bool = False) -> dict[str, Any]:
     """Reconstruct one scene: every DVC stage of ``scene`` as a task, logged to one MLflow run.
 
     ``workspace="inplace"`` reproduces in the checkout ``repo`` (updating its dvc.lock and outputs, like
@@ -190,13 +203,14 @@ def reconstruct(scene: str = "demo", repo: Optional[str] = None,
     ``"host"`` (the ``reconstruct/host`` deployment): a worktree of ``commit`` in this worker host's own clone,
     inputs pulled from the DVC remote, results pushed and reported back (:mod:`splatflow.orchestrate.hosts`);
     ``repo`` names the user's checkout there and is not used here.
+    ``echo``: each stage's output also goes to stdout as it comes (``splatflow run`` shows DVC's own output).
     """
     main_root = tracking.repo_root(repo or os.environ.get("SPLATFLOW_REPO") or Path.cwd())
     tags = {**_flow_run_tags(), **(tags or {}), "splatflow.workspace": workspace}
     if overrides:
         tags["splatflow.overrides"] = ",".join(f"{k}={v}" for k, v in sorted(overrides.items()))
     common = dict(main_root=main_root, force=force, stage_timeout_s=stage_timeout_s, parent_run_id=parent_run_id,
-                  run_name=run_name, tags=tags)
+                  run_name=run_name, tags=tags, echo=echo)
     if workspace == "host":
         clone = tracking.repo_root(Path.cwd())  # the deployment's pull step moved this process into the clone
         tags["splatflow.host"] = hosts.announce_host(get_run_context().flow_run.id)

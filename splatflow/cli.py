@@ -10,7 +10,6 @@ with the error's status (2; 3 for a busy workspace), without a traceback.
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 from pathlib import Path
 from typing import Optional
@@ -22,8 +21,8 @@ from typer.core import TyperGroup
 from splatflow import ops_cli, view_cli
 from splatflow.config import ConfigError, load_params
 from splatflow.errors import UserError, fail
-from splatflow.orchestrate.dvcrun import check_sources, stage_env, stage_order
-from splatflow.orchestrate.workspace import run_foreground, workspace_lock
+from splatflow.orchestrate.dvcrun import check_sources, stage_order
+from splatflow.orchestrate.workspace import workspace_lock
 from splatflow.paths import require_project_root
 
 PIPELINE = "Pipeline"
@@ -66,11 +65,6 @@ class CLIGroup(TyperGroup):
 app = typer.Typer(cls=CLIGroup, no_args_is_help=True, add_completion=False,
                   help="splatflow: reproducible 3D Gaussian Splatting (ingest → sfm → split → train → prune "
                        "→ evaluate → export)")
-
-def _dvc() -> str:
-    exe = Path(sys.executable).parent / "dvc"
-    return str(exe) if exe.exists() else (shutil.which("dvc") or "dvc")
-
 
 @app.command("demo-scene", rich_help_panel=PIPELINE)
 def demo_scene(
@@ -206,8 +200,13 @@ def run(
     wait: bool = typer.Option(True, "--wait/--no-wait",
                               help="when another run reproduces in this checkout: wait for it (default) or stop "
                                    "at once with exit status 3"),
+    view: bool = typer.Option(False, "--view", help="serve the splat being trained in the viewer (viser), "
+                                                    "refreshed every few seconds, while the train stage runs"),
+    view_port: int = typer.Option(8080, help="--view: port on 127.0.0.1 (the next free one if it is taken)"),
+    view_every: float = typer.Option(5.0, help="--view: seconds between two refreshes of the live view"),
 ):
-    """Run the pipeline with DVC (only what changed reruns). One writer per checkout: a second run waits."""
+    """Run the pipeline with DVC (only what changed reruns), as a Prefect `reconstruct` flow run per scene (one
+    task per stage). One writer per checkout: a second run waits."""
     root = require_project_root()
     params = load_params(root / "params.yaml")
     scenes = [scene] if scene else sorted(params.base.scenes)
@@ -217,35 +216,40 @@ def run(
     check_sources(root, scenes)  # a capture that is not there: say so before DVC removes the scene's outputs
     from splatflow import tracking  # lazy: MLflow loads only for the commands that record runs
 
-    extra_env = {}
     if tracking.enabled():  # once per run, before DVC: a dead server stops here in seconds (exit 2)
         uri = tracking.tracking_uri(root)
         tracking.check_reachable(uri)
         problem = tracking.store_problem(uri)
-        if problem:  # said once here; the stages then run untracked without saying it again
+        if problem:  # said once here; the flow and its stages then run untracked without saying it again
             typer.secho(f"warning: {problem}", fg=typer.colors.YELLOW, err=True)
-            extra_env["SPLATFLOW_TRACKING"] = "off"
-    targets = []
+            os.environ["SPLATFLOW_TRACKING"] = "off"
     for s in scenes:
-        order = stage_order(root, s)
-        if not order:  # `dvc repro` with no targets would run every scene
+        if not stage_order(root, s):  # the flow would find nothing to run
             raise UserError(f"dvc.yaml makes no stages for scene {s!r}; check its entry under base.scenes in "
                             "params.yaml (a scene name must be a string: quote it) and dvc.yaml's foreach")
-        targets += order
-    cmd = [_dvc(), "repro", *targets] + (["--force"] if force else [])
+    if view:
+        from splatflow import live_view  # lazy: torch (the live view's snapshots), which the other commands skip
+
+        os.environ[live_view.ENV] = f"127.0.0.1:{live_view.parse_address(str(view_port), '--view-port')[1]}"
+        os.environ[live_view.ENV_EVERY] = str(live_view.parse_every(str(view_every), "--view-every"))
+    ops_cli._use_local_prefect_server()  # the user's Prefect server (`splatflow ui`) when one answers
+    from splatflow.orchestrate.flowrun import run_scenes  # lazy: Prefect loads only for the commands that run flows
 
     def tell(msg: str) -> None:
         typer.secho(f"waiting: {msg} (Ctrl-C to give up)", fg=typer.colors.YELLOW, err=True)
 
     with workspace_lock(root, wait_s=None if wait else 0, on_wait=tell):  # WorkspaceBusy: exit 3
-        typer.echo("$ " + " ".join(["dvc", *cmd[1:]]))
-        rc = run_foreground(cmd, root, stage_env(extra_env))
+        outcomes = run_scenes(root, scenes, force=force, say=typer.echo)
+    rc = next((o.returncode for o in outcomes if o.returncode), 0)
     if rc in (130, 143):
         typer.secho(f"stopped ({'Ctrl-C' if rc == 130 else 'SIGTERM'}): the stage that ran kept its partial work "
                     f"(train: its checkpoint) and its MLflow run is KILLED; `{' '.join(['splatflow run', *scenes])}` "
                     "continues from there", fg=typer.colors.YELLOW, err=True)
     if rc != 0:
         raise typer.Exit(rc)
+    if view and not any(stage.startswith("train@") for o in outcomes for stage in o.ran):
+        typer.echo("(--view: no training ran, every train stage was up to date; `splatflow view SCENE` shows the "
+                   "trained splat)")
     for s in scenes:
         typer.echo(f"\n{s}: metrics in metrics/{s}/ ; `splatflow metrics {s}` shows them as a table")
 

@@ -46,6 +46,7 @@ class LoadedModel:
     source: Path
     stage: str | None  # None for a file given directly
     cameras: list[CameraInfo] = field(default_factory=list)
+    status: str | None = None  # the caption's first line instead of the file's name (the live view's progress)
 
 
 def _stage_file(paths: ScenePaths, stage: str) -> Path | None:
@@ -271,9 +272,7 @@ class SplatViewer:
     def _add_gui(self) -> None:
         gui = self.server.gui
         m = self.model
-        src = f"{m.source.name} ({m.stage})" if m.stage else m.source.name
-        gui.add_markdown(f"**{src}**  \n{len(m.splats['means']):,} Gaussians, SH degree {m.sh_degree}; "
-                         f"cameras: grey = training, orange = test (click one to fly there)")
+        self._info = gui.add_markdown(self._caption())
         self._gui_degree = gui.add_slider("SH degree", min=0, max=max(m.sh_degree, 0), step=1,
                                           initial_value=m.sh_degree, disabled=m.sh_degree == 0)
         self._gui_opacity = gui.add_slider("opacity scale", min=0.0, max=1.0, step=0.01, initial_value=1.0)
@@ -285,6 +284,22 @@ class SplatViewer:
         for h in (self._gui_degree, self._gui_opacity, self._gui_scale, self._gui_mode, self._gui_point):
             h.on_update(lambda _e: self._on_controls())
         self._gui_frustums.on_update(lambda _e: self._toggle_frustums())
+
+    def _caption(self) -> str:
+        m = self.model
+        src = m.status or (f"{m.source.name} ({m.stage})" if m.stage else m.source.name)
+        return (f"**{src}**  \n{len(m.splats['means']):,} Gaussians, SH degree {m.sh_degree}; "
+                f"cameras: grey = training, orange = test (click one to fly there)")
+
+    def show(self, splats: dict[str, np.ndarray], status: str) -> None:
+        """Replace the splat every browser sees (a model being trained) and the caption above the controls; the
+        cameras, the controls and each browser's own camera stay as they are."""
+        with self._lock:
+            self.model.splats = splats
+            self.model.status = status
+            self._base_alpha = 1.0 / (1.0 + np.exp(-splats["opacities"].astype(np.float64)))
+        self._info.content = self._caption()
+        self._redraw(self._eye())
 
     def _toggle_frustums(self) -> None:
         for h in self._frustums:

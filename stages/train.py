@@ -31,10 +31,17 @@ def run(params: Params, paths: ScenePaths) -> dict:
     scene, resolution = load_working_scene(params, paths)
     print(f"train [{paths.scene}]: {describe(resolution)}")
     cfg = params.train
-    trainer = Trainer(scene, cfg, ckpt_path=paths.train_ckpt, csv_path=paths.train_csv, seed=params.base.seed,
-                      step_logger=step_logger("train"))
-    print(f"train [{paths.scene}]: {trainer.plan.describe()}")
-    res = trainer.run()
+    from splatflow import live_view
+
+    watchers = live_view.from_env(paths)  # `splatflow run --view`: the splat being trained in the browser
+    try:
+        trainer = Trainer(scene, cfg, ckpt_path=paths.train_ckpt, csv_path=paths.train_csv, seed=params.base.seed,
+                          step_logger=step_logger("train"), watchers=watchers)
+        print(f"train [{paths.scene}]: {trainer.plan.describe()}")
+        res = trainer.run()
+    finally:
+        for w in watchers:
+            w.close()
     if stop.is_stop_label(res.stopped):
         # Not a finished stage: exit 143 so DVC records nothing and MLflow marks the run KILLED; the checkpoint
         # lets the next run resume.

@@ -7,7 +7,8 @@ through the ``splatflow`` package, function-level imports included, since the st
 lazily. Only the plumbing that cannot change an output is not followed: the stage shell, tracking, paths, errors
 the stop flag, the process defaults of ``runtime_env`` and ``records`` (which of a stage's two files a value is
 written to) (they decide where files and kernel caches go, what is logged, how idle threads wait and when a stage
-stops, never what it computes).
+stops, never what it computes), and the live view that watches a training run (it reads the model only:
+tests/test_live_view.py checks a watched run's parameters are the same).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 PLUMBING = {"splatflow/stage.py", "splatflow/tracking.py", "splatflow/paths.py", "splatflow/errors.py",
-            "splatflow/records.py",
+            "splatflow/records.py", "splatflow/live_view.py",
             "splatflow/stop.py", "splatflow/runtime_env.py", "splatflow/progress.py",
             *(f"splatflow/tracking/{p.name}" for p in (REPO / "splatflow" / "tracking").glob("*.py"))}
 #: What ``stage_main`` itself reads from params for every stage (seeding), and for stages that pin thread counts.

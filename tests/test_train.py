@@ -305,13 +305,14 @@ def test_patch_windows_cover_every_pixel_equally_and_average_the_budget():
 
     from splatflow.train.windows import PATCH_MIN_SIDE, patch_window
 
-    assert patch_window(96, 72, 0) is None and patch_window(96, 72, 96 * 72) is None
+    rng = random.Random(3)
+    assert patch_window(96, 72, 0, rng) is None and patch_window(96, 72, 96 * 72, rng) is None
     for W, H, budget in ((800, 600, 60000), (400, 300, 60000)):  # the second mixes in whole images
-        random.seed(3)
+        rng.seed(3)
         cover = np.zeros((H, W))
         areas = []
         for _ in range(3000):
-            win = patch_window(W, H, budget)
+            win = patch_window(W, H, budget, rng)
             x0, y0, w, h = win if win is not None else (0, 0, W, H)
             assert 0 <= x0 and x0 + w <= W and 0 <= y0 and y0 + h <= H
             assert w >= PATCH_MIN_SIDE and h >= PATCH_MIN_SIDE
@@ -335,9 +336,8 @@ def test_patch_render_is_the_window_of_the_whole_render(scene):
     tr = Trainer(scene, cfg, seed=0)
     with torch.no_grad():
         full, full_t, _ = tr.render(1, 1.0, 1)
-        random.seed(11)
-        x0, y0, w, h = patch_window(96, 72, 1500)
-        random.seed(11)
+        x0, y0, w, h = patch_window(96, 72, 1500, random.Random(11))
+        tr.rng.python.seed(11)  # the run's own generator draws the render's window: the same one
         part, part_t, info = tr.render(1, 1.0, 1, patch=True)
     assert part.shape == (h, w, 3) and (w, h) != (96, 72)
     assert (info["width"], info["height"]) == (96, 72)
@@ -349,8 +349,6 @@ def test_coarse_levels_train_on_larger_windows(scene):
     """``train.patch_level_exponent``: a level at factor f < 1 gets windows of patch_max_pixels / f^exponent (whole
     images once that covers the level), full resolution keeps patch_max_pixels, 0 keeps it everywhere, and a bad
     exponent is rejected naming the key."""
-    import random
-
     from splatflow.config import ConfigError, params_from_dict
     from splatflow.train.windows import level_budget
 
@@ -360,7 +358,7 @@ def test_coarse_levels_train_on_larger_windows(scene):
     areas = {}
     for exponent in (0.0, 1.0):
         tr = Trainer(scene, small_cfg(patch_max_pixels=1200, patch_level_exponent=exponent), seed=0)
-        random.seed(5)
+        tr.rng.python.seed(5)
         with torch.no_grad():
             sizes = [tr.render(0, 0.5, 0, patch=True)[0].shape[:2] for _ in range(40)]  # level 48x36 = 1728 px
             full = [tr.render(0, 1.0, 0, patch=True)[0].shape[:2] for _ in range(40)]  # 96x72: windows both ways

@@ -13,26 +13,32 @@ from splatflow.train.sink import CSV_FIELDS, MetricsSink
 
 
 def test_run_rng_streams_are_the_seeded_global_ones_and_leave_the_caller_alone():
+    """The run draws the streams of ``random.seed(seed)`` and ``torch.manual_seed(seed)`` (so checkpoints of the
+    time the trainer seeded the global generators resume unchanged): Python's from its own ``random.Random``, which
+    never touches the ``random`` module, torch's lent to the global generator for a block and taken back after."""
     rng = RunRNG(5)
     random.seed(99), torch.manual_seed(99)
     caller = random.random(), torch.rand(2)
     random.seed(99), torch.manual_seed(99)
     with rng.lent():
-        first = random.random(), torch.rand(3)
+        first = rng.python.random(), torch.rand(3)
     assert random.random() == caller[0] and torch.equal(torch.rand(2), caller[1])  # untouched by the block
+    random.seed(99)
+    second = [rng.python.random()]  # drawn outside a lent block too: the caller's stream stays untouched
     with rng.lent():
-        second = random.random(), torch.rand(3)
+        second.append(torch.rand(3))
+    assert random.random() == caller[0]
     random.seed(5), torch.manual_seed(5)  # the same streams as seeding the global generators
     assert first[0] == random.random() and torch.equal(first[1], torch.rand(3))
     assert second[0] == random.random() and torch.equal(second[1], torch.rand(3))
     # a saved state continues the streams in a new run object
     saved = rng.state_dict()
     with rng.lent():
-        third = random.random(), torch.rand(3)
+        third = rng.python.random(), torch.rand(3)
     other = RunRNG(0)
     other.load_state_dict({**saved, "numpy": ("MT19937", [0] * 624, 0, 0, 0.0)})  # old files: numpy ignored
     with other.lent():
-        assert random.random() == third[0] and torch.equal(torch.rand(3), third[1])
+        assert other.python.random() == third[0] and torch.equal(torch.rand(3), third[1])
 
 
 class _Logger:

@@ -10,6 +10,7 @@ only written after the stage succeeds, so the stage simply reruns next time.
 from __future__ import annotations
 
 import collections
+import io
 import os
 import re
 import signal
@@ -19,7 +20,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, TextIO
 
 from splatflow.errors import UserError
 from splatflow.scene_settings import missing_source
@@ -207,26 +208,38 @@ def _group_members(pgid: int) -> list[int]:
 
 def run_dvc_stage(root: str | Path, stage: str, *, force: bool = False, timeout_s: float | None = None,
                   env: dict[str, str] | None = None, on_line: Callable[[str], None] | None = None,
-                  cancel_event: threading.Event | None = None) -> StageResult:
+                  cancel_event: threading.Event | None = None, echo: TextIO | None = None) -> StageResult:
     """``dvc repro --single-item <stage>`` in its own process group; raise a :class:`StageFailed` subclass on
     failure (:class:`WorkspaceBusy` when another dvc holds the lock, :class:`StageTimeout` on timeout).
 
     Any exception raised while waiting (Prefect's termination signal, KeyboardInterrupt) kills the whole group
-    before it propagates, so no stage outlives its task.
+    before it propagates, so no stage outlives its task. ``echo`` (a terminal, for ``splatflow run``) gets the
+    command and the stage's output as it comes, carriage returns included, so a progress bar redraws in place
+    there while ``on_line`` sees one line per frame.
     """
     cmd = [dvc_executable(), "repro", "--single-item", stage]
     if force:
         cmd.append("--force")
+    if echo is not None:
+        echo.write("$ " + " ".join(["dvc", *cmd[1:]]) + "\n")
+        echo.flush()
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=str(root), env=env or stage_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True)
+                            stderr=subprocess.STDOUT, start_new_session=True)
     tail: collections.deque[str] = collections.deque(maxlen=60)
     lines: list[str] = []
 
     def pump():
         assert proc.stdout is not None
-        for line in proc.stdout:
-            line = line.rstrip("\n")
+        # newline="": lines end at \n, \r or \r\n and keep their ending, which the echo needs to redraw in place
+        for raw in io.TextIOWrapper(proc.stdout, encoding="utf-8", errors="replace", newline=""):
+            if echo is not None:
+                try:
+                    echo.write(raw)
+                    echo.flush()
+                except (OSError, ValueError):  # a closed terminal must not hang the pump
+                    pass
+            line = raw.rstrip("\r\n")
             tail.append(line)
             lines.append(line)
             if on_line is not None:

@@ -24,6 +24,7 @@ import fcntl
 import os
 import shutil
 import subprocess
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -307,7 +308,31 @@ def workspace_lock(root: str | Path, wait_s: float | None = None,
     The holder writes its pid, command and start time into the lock file, so whoever waits can say what holds
     the workspace. ``wait_s``: None waits as long as it takes, a number raises :class:`WorkspaceBusy` after that
     many seconds (0: at once). ``on_wait(message)`` is called once when the wait starts (to tell the user).
+    Re-entrant within a thread: ``splatflow run`` holds the lock (with its own waiting and messages) around the
+    in-place ``reconstruct`` flow, which takes it again; a flock on a second open file would wait for itself.
     """
+    key = (str(Path(root).resolve()), threading.get_ident())
+    if _HELD.get(key):
+        _HELD[key] += 1
+        try:
+            yield
+        finally:
+            _HELD[key] -= 1
+        return
+    _HELD[key] = 1
+    try:
+        with _exclusive(root, wait_s, on_wait):
+            yield
+    finally:
+        _HELD.pop(key, None)
+
+
+#: The checkouts whose workspace lock a thread of this process holds, and how many times (:func:`workspace_lock`).
+_HELD: dict[tuple[str, int], int] = {}
+
+
+@contextlib.contextmanager
+def _exclusive(root: str | Path, wait_s: float | None, on_wait: Callable[[str], None] | None) -> Iterator[None]:
     import json
     import sys
 

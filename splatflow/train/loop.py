@@ -9,7 +9,6 @@ validation for the plateau stop, periodic atomic checkpoints for an exact resume
 
 from __future__ import annotations
 
-import random
 import time
 
 import torch
@@ -38,7 +37,7 @@ class Trainer(TrainingRun):
     # ------------------------------------------------------------------------------------------ one step
     def train_step(self) -> dict:
         step, cfg, s, gs = self.step, self.cfg, self.sched, self.state
-        i = random.randrange(len(self.views))
+        i = self.rng.python.randrange(len(self.views))
         phase = s.resolution.phase(step)
         factor, sigma, deg = s.resolution.factors[phase], s.blur.sigma(step), s.sh.degree(step)
         lr_factor = 1.0
@@ -137,6 +136,7 @@ class Trainer(TrainingRun):
                                           "psnr": f"{row['psnr']:.2f}"}, refresh=False)
                 if pbar is not None:
                     pbar.update(1)
+                self.sink.step(self, row)  # the watchers (the live view): they read the model, never change it
                 if reason:
                     stopped = reason
                     break

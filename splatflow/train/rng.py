@@ -1,10 +1,12 @@
 """The random generators of one training run: seeded from the run seed, saved in its checkpoint, never shared.
 
 A run draws random numbers for the view order, the training windows, random backgrounds and the densification
-strategy's noise and sampling. Most of those draws happen in code that takes no generator argument and uses the
-global ones (gsplat's strategy ops, ``torch.rand``, the ``random`` module), so the trainer LENDS its own states to
-the global generators for the span of a step (:meth:`RunRNG.lent`) and takes them back afterwards, leaving the
-caller's global state exactly as it was. A run therefore repeats bit for bit for a given seed whatever the caller
+strategy's noise and sampling. The view order and the windows are drawn from the run's own ``random.Random``
+(:attr:`RunRNG.python`), never from the ``random`` module, whose global state other threads of the process also
+draw from (a live viewer's websocket server does, for its pings). The torch draws happen in code that takes no
+generator argument (gsplat's strategy ops, ``torch.rand``), so the trainer LENDS its torch states to the global
+generators for the span of a step (:meth:`RunRNG.lent`) and takes them back afterwards, leaving the caller's
+global state exactly as it was. A run therefore repeats bit for bit for a given seed whatever the caller
 drew before or draws between steps, and a fine-tune inside another stage (prune's recovery) cannot disturb the
 stage's own random numbers.
 
@@ -32,23 +34,20 @@ class RunRNG:
 
     @contextmanager
     def lent(self) -> Iterator[None]:
-        """Within the block the global ``random`` and torch generators carry this run's states; after it this
-        run's generators hold where the block left them and the global ones are back where they were."""
+        """Within the block the global torch generators carry this run's states; after it this run's generators
+        hold where the block left them and the global ones are back where they were. (Python's generator is not
+        lent: the run draws from :attr:`python` itself.)"""
         cuda = [] if self.cuda is None else [self.cuda.device]
-        saved_python = random.getstate()
         with torch.random.fork_rng(devices=cuda, device_type="cuda"):  # restores torch's global states on exit
             torch.set_rng_state(self.torch.get_state())
             if self.cuda is not None:
                 torch.cuda.set_rng_state(self.cuda.get_state(), self.cuda.device)
-            random.setstate(self.python.getstate())
             try:
                 yield
             finally:
-                self.python.setstate(random.getstate())
                 self.torch.set_state(torch.get_rng_state())
                 if self.cuda is not None:
                     self.cuda.set_state(torch.cuda.get_rng_state(self.cuda.device))
-                random.setstate(saved_python)
 
     def state_dict(self) -> dict:
         """The checkpoint's ``rng`` entry (CPU tensors and a tuple: device-independent)."""

@@ -39,12 +39,13 @@ class TrainingRun:
     ``splats`` (optional) starts from given parameters instead of the SfM points (fine-tuning);
     ``densify=False`` switches densification and pruning off; ``schedules`` overrides the ones built from ``cfg``.
     ``stop_after`` ends the run early at that step with a resumable checkpoint (tests, SIGTERM drills).
+    ``watchers`` see the run after every step through its sink (:meth:`MetricsSink.step`; the live view).
     """
 
     def __init__(self, scene, cfg: TrainConfig, *, ckpt_path: str | Path | None = None,
                  csv_path: str | Path | None = None, seed: int = 0, splats: dict | None = None,
                  densify: bool = True, schedules: Schedules | None = None, stop_after: int | None = None,
-                 step_logger=None):
+                 step_logger=None, watchers=()):
         if not scene.train_views:
             raise UserError("no training views: the split left every view in the test set; check data/<scene>/"
                             "split.json and the split params")
@@ -54,14 +55,17 @@ class TrainingRun:
         self.plan = plan.resolve(cfg, scene.train_views, self.run_device.backend, gpu_memory_gib(self.device))
         self.scene, self.cfg, self.seed = scene, (cfg := plan.apply(cfg, self.plan)), seed
         self.ckpt_path, self.stop_after = Path(ckpt_path) if ckpt_path else None, stop_after
-        self.sink = MetricsSink(csv_path, step_logger)  # plots/S/train.csv, the log and the tracking step logger
+        # plots/S/train.csv, the log, the tracking step logger and the watchers (the live view)
+        self.sink = MetricsSink(csv_path, step_logger, watchers)
         self.compile_seconds: float | None = None
         # the views: images decoded on the host and uploaded per step, cameras on the device, training windows
-        self.data = TrainingViews(scene.train_views, cfg, self.device, cfg.window_pixels(self.run_device.backend))
+        # this run's own generators: Python's drawn directly (view order, windows), torch's lent per step
+        self.rng = RunRNG(seed, self.device)
+        self.data = TrainingViews(scene.train_views, cfg, self.device, cfg.window_pixels(self.run_device.backend),
+                                  rng=self.rng.python)
         self.views, self.cache, self.viewmats = self.data.views, self.data.cache, self.data.viewmats
         self.window_pixels = self.data.window_pixels  # train.patch_max_pixels, "auto" resolved
         reset_peak_memory(self.run_device)
-        self.rng = RunRNG(seed, self.device)  # this run's own generators, lent to the global ones per step
         self.scene_scale = scene_scale(np.stack([v.world_to_cam for v in self.views]))  # training cameras only
         self.sched = schedules or Schedules.from_config(cfg, self.scene_scale)
         cpu = self.run_device.backend == "cpu"

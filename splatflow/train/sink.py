@@ -1,5 +1,13 @@
-"""Where a training run's numbers go: the per-step CSV (``plots/S/train.csv``), the log, and the tracking step
-logger (MLflow step metrics, optional). The loop hands rows and refine events over; it never formats them."""
+"""Where a training run's numbers go: the per-step CSV (``plots/S/train.csv``), the log, the tracking step
+logger (MLflow step metrics, optional) and the watchers (the live view). The loop hands rows and refine events
+over; it never formats them.
+
+A watcher is any object with ``after_step(trainer, row)``: the loop calls :meth:`MetricsSink.step` once per
+finished step, after the row was logged and before checkpoints or stops, outside the run's random generators. A
+watcher reads the trainer (``trainer.step``, ``trainer.state.params``, ``trainer.cfg``, ``trainer.sched``) and changes
+nothing, so a watched run ends with the parameters of the same run unwatched. ``row`` is the step's record
+(``step``, ``gaussians``, ``loss``; ``psnr`` only on the rows the loop logs). A watcher that raises is dropped with
+one warning: watching a run never stops it."""
 
 from __future__ import annotations
 
@@ -15,12 +23,14 @@ REFINE_COUNTS = ("clones", "splits", "prunes", "relocated", "added")  # of a ref
 
 
 class MetricsSink:
-    """The CSV at ``csv_path`` (None: no file) and the ``step_logger`` (``log(step, {name: value})`` and
-    ``close()``; None: none). Rows are written as they come, so the CSV can be watched while training runs."""
+    """The CSV at ``csv_path`` (None: no file), the ``step_logger`` (``log(step, {name: value})`` and
+    ``close()``; None: none) and the ``watchers`` (module docstring). Rows are written as they come, so the CSV can
+    be watched while training runs."""
 
-    def __init__(self, csv_path: str | Path | None = None, step_logger=None):
+    def __init__(self, csv_path: str | Path | None = None, step_logger=None, watchers=()):
         self.csv_path = Path(csv_path) if csv_path else None
         self.step_logger = step_logger
+        self.watchers = list(watchers)
         self._rows: list[dict] = []
 
     def start(self, step: int) -> None:
@@ -41,6 +51,16 @@ class MetricsSink:
         self.flush()
         if self.step_logger is not None:
             self.step_logger.log(row["step"], {k: float(row[k]) for k in STEP_METRICS})
+
+    def step(self, trainer, row: dict) -> None:
+        """Every finished step, to each watcher; a failing one is dropped with a warning (training goes on)."""
+        for w in list(self.watchers):
+            try:
+                w.after_step(trainer, row)
+            except Exception as e:  # noqa: BLE001 - a viewer's failure must not end a training run
+                self.watchers.remove(w)
+                log.warning(f"{type(w).__name__} failed at step {trainer.step} and is switched off: "
+                            f"{type(e).__name__}: {e}")
 
     def event(self, ev: dict) -> None:
         """A refine event of the densification strategy: logged, and its counts sent as step metrics."""

@@ -4,6 +4,7 @@ host, uploaded per step), cameras on the run's device, training windows, and the
 from __future__ import annotations
 
 import math
+import random
 
 import numpy as np
 import torch
@@ -25,10 +26,12 @@ def render_psnr(rgb: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | No
 
 class TrainingViews:
     """``views`` (the training views) on ``device``, rendered with the train settings ``cfg`` and training windows
-    of ``window_pixels`` (``train.patch_max_pixels`` as resolved for the backend; 0 = whole images)."""
+    of ``window_pixels`` (``train.patch_max_pixels`` as resolved for the backend; 0 = whole images) drawn from
+    ``rng``, the run's own ``random.Random`` (:mod:`splatflow.train.rng`)."""
 
-    def __init__(self, views: list, cfg, device: torch.device, window_pixels: int):
+    def __init__(self, views: list, cfg, device: torch.device, window_pixels: int, rng: random.Random):
         self.views, self.cfg, self.device, self.window_pixels = list(views), cfg, device, window_pixels
+        self.rng = rng
         self.cache = ImageCache(self.views, cfg.image_cache_mb)
         self.viewmats = [torch.as_tensor(np.asarray(v.world_to_cam, dtype=np.float32), device=device)
                          for v in self.views]  # [4, 4] each
@@ -48,7 +51,7 @@ class TrainingViews:
         (``params`` get no gradient).
         """
         w, h = self.cache.shape(i, factor)
-        win = patch_window(w, h, level_budget(self.window_pixels, factor, self.cfg.patch_level_exponent)) \
+        win = patch_window(w, h, level_budget(self.window_pixels, factor, self.cfg.patch_level_exponent), self.rng) \
             if patch else None
         target, K = self.cache.get(i, factor, device=self.device, window=win)  # only the window is uploaded
         mask = self.cache.mask(i, factor, window=win)  # [H, W] bool keep-mask, None without masks

@@ -57,10 +57,10 @@ def level_budget(max_pixels: int, factor: float, exponent: float) -> int:
 
 
 def patch_window(width: int, height: int, max_pixels: int,
-                 rng: random.Random | None = None) -> tuple[int, int, int, int] | None:
+                 rng: random.Random) -> tuple[int, int, int, int] | None:
     """A random training window ``(x0, y0, w, h)`` of ``max_pixels`` pixels ON AVERAGE, or None for the whole
-    image (always when the image is small enough), drawn from ``rng`` (default: the ``random`` module, which
-    carries the run's own generator during a training step: :mod:`splatflow.train.rng`).
+    image (always when the image is small enough), drawn from ``rng`` (in training the run's own generator,
+    :attr:`splatflow.train.rng.RunRNG.python`).
 
     Every pixel of the image is covered with the same probability (up to the ``PATCH_MIN_SIDE`` pixels at the
     very edge): a nominal window of the image's aspect ratio is placed anywhere it overlaps the image and clipped
@@ -71,7 +71,6 @@ def patch_window(width: int, height: int, max_pixels: int,
     if not max_pixels or width * height <= max_pixels:
         return None
     pw, ph, p_whole = _patch_plan(int(width), int(height), int(max_pixels))
-    rng = random if rng is None else rng
     if p_whole > 0.0 and rng.random() < p_whole:
         return None
     x0 = rng.randint(PATCH_MIN_SIDE - pw, width - PATCH_MIN_SIDE)
