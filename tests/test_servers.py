@@ -40,6 +40,16 @@ def test_two_scene_batch_on_two_workers(stack, tmp_path):
     workers = [servers.start_worker(pool, api_url=stack["api"], name=f"w{i}", limit=1, log_dir=tmp_path,
                                     cwd=toy, extra_env=worker_env) for i in range(2)]
     stack["started"].extend(workers)
+    # both workers polling before any run exists: a worker still starting (tens of seconds on a loaded machine)
+    # leaves both runs to the other one (2026-11-27, a CI run beside other jobs: [[], [a, b]])
+    deadline = time.monotonic() + 180
+    with get_client(sync_client=True) as client:
+        while True:
+            online = {w.name for w in client.read_workers_for_work_pool(pool) if w.status.value == "ONLINE"}
+            if {"w0", "w1"} <= online:
+                break
+            assert time.monotonic() < deadline, f"online after 180 s: {sorted(online)}; worker logs in {tmp_path}"
+            time.sleep(1)
 
     # the served deployments register with their schedule; the server's scheduler books the upcoming nightly runs
     for dep in served_deployments(toy, cron="0 3 * * *"):
