@@ -35,6 +35,7 @@ for CPython 3.12 on manylinux x86-64, the GPU machine's interpreter; ``--python-
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import shutil
 import subprocess
@@ -134,14 +135,9 @@ def travel_scene(src: Path, out: Path, max_side: int) -> dict:
         K = np.asarray(v.K, dtype=np.float64).copy()
         K[0, :] *= nw / w
         K[1, :] *= nh / h
-        views.append(_View(name, nw, nh, K, np.asarray(v.world_to_cam, dtype=np.float64)))
+        views.append(dataclasses.replace(v, name=name, width=nw, height=nh, K=K))
     write_colmap_binary(out / "sparse" / "0", views, scene.points, scene.colors, png_names=False)
     return {"views": len(views), "points": int(len(scene.points)), "size": f"{views[0].width}x{views[0].height}"}
-
-
-class _View:
-    def __init__(self, name, width, height, K, world_to_cam):
-        self.name, self.width, self.height, self.K, self.world_to_cam = name, width, height, K, world_to_cam
 
 
 def main(argv=None) -> int:
