@@ -243,9 +243,10 @@ def main(argv: list[str] | None = None) -> int:
 
     sys.path.insert(0, str(clone_dir))
     from splatflow.config import load_params
+    from splatflow.train.plan import checkpoint_every
 
     params = load_params(clone_dir / "params.yaml").for_scene(SCENE)
-    every, max_steps = params.train.checkpoint_every, params.train.max_steps
+    every, max_steps = checkpoint_every(params.train, "cpu"), params.train.max_steps
     kill_step = args.kill_step or every + int(0.3 * every)
     if not (args.term_step < max_steps and every < kill_step < max_steps):
         raise SystemExit(f"drill: need term step {args.term_step} and kill step {kill_step} inside the "

@@ -22,7 +22,12 @@ PSNR. Its checks of the checkout and the peer's interpreter run before anything 
     python bench/gpu.py [--work DIR] [--json PATH] [--max-steps N] [--set KEY=VALUE ...] [--compare-cpu]
                         [--cpu-steps 1000] [--profile-at 5210 --profile-steps 40]
                         [--peer-gsplat PATH [--peer-python PY] [--scene DIR] [--max-side PX]
-                         [--peer-steps 30000] [--curve-points 8] [--peer-timeout S]]
+                         [--peer-steps 30000] [--curve-points 8] [--peer-timeout S]
+                         [--side ours|peer [--other-json PATH]]]
+
+A lent GPU's calls are short: ``--side ours --json A`` in one call and ``--side peer --json B`` in the next (same
+GPU) measure one side each; ``--join A B`` (anywhere) prints the comparison one run of both would
+(``--other-json A`` in the second call does it there).
 """
 
 from __future__ import annotations
@@ -47,8 +52,6 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 
-@torch.no_grad()
-
 def print_busy_share(prof: dict, args, what: str) -> float:
     """Print the profiled steps' time and the GPU's busy share of it; return that share (3 decimals)."""
     busy = prof["profile_gpu_busy_ms_per_step"] / max(prof["profile_wall_ms_per_step"], 1e-9)
@@ -57,6 +60,7 @@ def print_busy_share(prof: dict, args, what: str) -> float:
           f"({100 * busy:.0f} % of the step)")
     return round(busy, 3)
 
+@torch.no_grad()
 def test_psnr_on(splats, sh_degree, views, device) -> list[float]:
     """Per-view test PSNR, rendering on ``device`` (one image pair there at a time)."""
     from splatflow.model import Splats, render_view
@@ -111,10 +115,11 @@ def profile_steps(trainer, at: int, n: int, report: dict) -> None:
 
 
 def curve_steps(max_steps: int, points: int) -> list[int]:
-    """``points`` step counts (1-based) spread over a run of ``max_steps``, geometric (time-to-quality curves
-    rise fastest early), the last one ``max_steps``."""
+    """``points`` step counts (1-based) spread over a run of ``max_steps``, geometric from 1/64 of the run
+    (time-to-quality curves rise fastest early, and the time to another trainer's final PSNR falls late), the
+    last one ``max_steps``."""
     points = max(1, int(points))
-    first = max(1, max_steps // 2 ** (points - 1)) if points > 1 else max_steps
+    first = max(1, max_steps // 64) if points > 1 else max_steps
     out = sorted({int(round(first * (max_steps / first) ** (i / max(points - 1, 1)))) for i in range(points)})
     return sorted(set(out[:-1] + [max_steps]))
 
@@ -168,6 +173,9 @@ class CurveRecorder:
                             "ssim": float(np.mean(ss)),
                             "lpips": float(np.mean(ls)) if ls and None not in ls else None,
                             "gaussians": int(splats.n)})
+        p = self.points[-1]  # as it comes: a run stopped by a time limit leaves its curve so far in the log
+        print(f"  splatflow step {step}: {p['seconds']:.1f} s, {p['psnr']:.2f} dB, SSIM {p['ssim']:.4f}, "
+              f"{p['gaussians']} Gaussians", flush=True)
         if tr.device.type == "cuda":
             torch.cuda.synchronize()
         self.eval_s += time.perf_counter() - t
@@ -209,38 +217,62 @@ def peer_compare(args, cfg, dev, out: dict) -> None:
     lpips = lp if lp.models.get("alex") is not None else None
     if lpips is None:
         print(f"LPIPS (AlexNet, [-1, 1]) for splatflow's curve: n/a, {lp.reason('lpips_alex')}")
-    ckpt = args.work / "peer_ours_ckpt.pt"
-    ckpt.unlink(missing_ok=True)
-    trainer = Trainer(scene, cfg, ckpt_path=ckpt, seed=0)
-    # trainer.cfg: the plan resolved (train.max_steps "auto" is sized from the scene and the GPU)
-    rec = CurveRecorder(trainer, scene.test_views, curve_steps(trainer.cfg.max_steps, args.curve_points), lpips)
-    prof: dict = {}
-    if args.peer_only and args.profile_at is not None:
-        profile_steps(trainer, args.profile_at, args.profile_steps, prof)
-    res = trainer.run()
-    if not rec.points or rec.points[-1]["step"] != res.steps:  # stopped early (plateau): its end is a point too
-        rec.record(res.steps)
-    ours = rec.points
-    print(pg.curve_table("splatflow", ours), flush=True)
-    if prof:
-        prof["profile_gpu_busy_share"] = print_busy_share(prof, args, "splatflow's steps")
-        out.update(prof)
-    cmd = pg.peer_command(args.peer_root, args.peer_python, data, result, args.peer_steps,
-                          curve_steps(args.peer_steps, args.curve_points))
-    print(f"running simple_trainer ({args.peer_steps} steps; log {args.work / 'peer.log'}):\n  {' '.join(cmd)}",
-          flush=True)
-    timeout = args.peer_timeout
-    if args.deadline is not None:  # what is left of the whole script's time, less a margin to read and print
-        timeout = min(timeout, args.deadline - (time.monotonic() - T0) - 15.0)
-        print(f"simple_trainer gets {timeout:.0f} s (--deadline {args.deadline:.0f} s); its curve so far is read "
-              "if it is stopped", flush=True)
-    rc = pg.run_peer(cmd, args.peer_root / "examples", result, args.work / "peer.log", max(timeout, 1.0))
-    if rc != 0:
-        print(f"simple_trainer exited with {rc}: see {args.work / 'peer.log'}; its curve so far, if any:")
-    peer = pg.read_peer_curve(result)
-    if args.peer_drop_lpips:  # its AlexNet trunk was a placeholder (no ImageNet weights offline): not a figure
-        peer = [{**p, "lpips": None} for p in peer]
-    print(pg.curve_table("gsplat simple_trainer", peer))
+    ours, peer, rc, other = None, None, None, {}
+    if args.other_json is not None:  # the other side, measured by an earlier call on the same GPU
+        other = json.loads(args.other_json.read_text()).get("peer") or {}
+    if args.side in ("both", "ours"):
+        ckpt = args.work / "peer_ours_ckpt.pt"
+        ckpt.unlink(missing_ok=True)
+        trainer = Trainer(scene, cfg, ckpt_path=ckpt, seed=0)
+        # trainer.cfg: the plan resolved (train.max_steps "auto" is sized from the scene and the GPU)
+        rec = CurveRecorder(trainer, scene.test_views, curve_steps(trainer.cfg.max_steps, args.curve_points), lpips)
+        prof: dict = {}
+        if args.peer_only and args.profile_at is not None:
+            profile_steps(trainer, args.profile_at, args.profile_steps, prof)
+        res = trainer.run()
+        if not rec.points or rec.points[-1]["step"] != res.steps:  # stopped early (plateau): its end is a point too
+            rec.record(res.steps)
+        ours = rec.points
+        print(pg.curve_table("splatflow", ours), flush=True)
+        out["ours_plan"] = res.plan
+        if prof:
+            prof["profile_gpu_busy_share"] = print_busy_share(prof, args, "splatflow's steps")
+            out.update(prof)
+    if args.side in ("both", "peer"):
+        cmd = pg.peer_command(args.peer_root, args.peer_python, data, result, args.peer_steps,
+                              curve_steps(args.peer_steps, args.curve_points))
+        print(f"running simple_trainer ({args.peer_steps} steps; log {args.work / 'peer.log'}):\n  {' '.join(cmd)}",
+              flush=True)
+        timeout = args.peer_timeout
+        if args.deadline is not None:  # what is left of the whole script's time, less a margin to read and print
+            timeout = min(timeout, args.deadline - (time.monotonic() - T0) - 15.0)
+            print(f"simple_trainer gets {timeout:.0f} s (--deadline {args.deadline:.0f} s); its curve so far is read "
+                  "if it is stopped", flush=True)
+        rc = pg.run_peer(cmd, args.peer_root / "examples", result, args.work / "peer.log", max(timeout, 1.0))
+        if rc != 0:
+            print(f"simple_trainer exited with {rc}: see {args.work / 'peer.log'}; its curve so far, if any:")
+        peer = pg.read_peer_curve(result)
+        if args.peer_drop_lpips:  # its AlexNet trunk was a placeholder (no ImageNet weights offline): not a figure
+            peer = [{**p, "lpips": None} for p in peer]
+        print(pg.curve_table("gsplat simple_trainer", peer))
+    ours = ours if ours is not None else other.get("ours_curve")
+    if peer is None:
+        peer, rc = other.get("peer_curve"), other.get("peer_exit")
+    out.update(peer={"scene": str(args.scene or "benchmark scene"), "sizes": info["sizes"],
+                     "resolution": res_info, "peer_steps": args.peer_steps, "peer_exit": rc, "ours_curve": ours,
+                     "peer_curve": peer, "lpips_variant": "lpips_alex (AlexNet, [-1, 1]; gsplat's)",
+                     "sides_from": {"ours": "this run" if args.side != "peer" else str(args.other_json),
+                                    "peer": "this run" if args.side != "ours" else str(args.other_json)}})
+    if not ours or not peer:
+        print(f"only {args.side} measured in this run (pass --other-json with the other side's --json to compare)")
+        return
+    out["peer"].update(print_comparison(ours, peer))
+
+
+def print_comparison(ours: list[dict], peer: list[dict]) -> dict:
+    """Both curves' figures (:func:`bench.peer_gsplat.compare`), printed in one sentence."""
+    from bench import peer_gsplat as pg
+
     cmp = pg.compare(ours, peer)
     print(f"at simple_trainer's final {cmp['peer_final_psnr']:.2f} dB ({cmp['peer_seconds']:.1f} s): splatflow "
           + ("never reached it" if cmp["ours_seconds_to_peer_final_psnr"] is None else
@@ -248,9 +280,29 @@ def peer_compare(args, cfg, dev, out: dict) -> None:
           + f"; splatflow ends at {cmp['ours_final_psnr']:.2f} dB ({cmp['final_psnr_gain_db']:+.2f} dB) in "
           f"{cmp['ours_seconds']:.1f} s; at the highest PSNR both reach ({cmp['highest_common_psnr']:.2f} dB) the "
           f"time ratio is {cmp['time_ratio_at_highest_common_psnr']}")
-    out.update(peer={"scene": str(args.scene or "benchmark scene"), "sizes": info["sizes"],
-                     "resolution": res_info, "peer_steps": args.peer_steps, "peer_exit": rc, "ours_curve": ours,
-                     "peer_curve": peer, "lpips_variant": "lpips_alex (AlexNet, [-1, 1]; gsplat's)", **cmp})
+    return cmp
+
+
+def join(ours_json: Path, peer_json: Path) -> dict:
+    """``--join``: one comparison from two ``--side`` runs' JSON files (no GPU needed)."""
+    from bench import peer_gsplat as pg
+
+    sides = []
+    for path, key in ((ours_json, "ours_curve"), (peer_json, "peer_curve")):
+        try:
+            curve = (json.loads(Path(path).read_text()).get("peer") or {}).get(key)
+        except (OSError, ValueError) as e:
+            raise pg.PeerError(f"--join {path}: cannot read it ({e}); pass the --json of a --side run") from None
+        if not curve:
+            raise pg.PeerError(f"--join {path}: no {key} in it; pass the --json of a --side "
+                               f"{key.split('_')[0]} run")
+        sides.append(curve)
+    print(pg.curve_table("splatflow", sides[0]))
+    print(pg.curve_table("gsplat simple_trainer", sides[1]))
+    base = json.loads(Path(ours_json).read_text())
+    base["peer"].update(peer_curve=sides[1], sides_from={"ours": str(ours_json), "peer": str(peer_json)},
+                        **print_comparison(*sides))
+    return base
 
 
 def _peer_or_exit(args, cfg, dev, out: dict) -> None:
@@ -290,9 +342,28 @@ def main(argv=None) -> dict:
                     "is stopped in time for its curve so far to be read and compared")
     ap.add_argument("--peer-drop-lpips", action="store_true", help="discard the peer's LPIPS (where its AlexNet "
                     "trunk is a placeholder: bench/gpu_kit.py, a machine with no network)")
+    ap.add_argument("--side", choices=("both", "ours", "peer"), default="both",
+                    help="with --peer-gsplat: train both (default) or one side only (a lent GPU's calls are short: "
+                         "one side per call, the two joined by --other-json)")
+    ap.add_argument("--other-json", type=Path, help="with --side: the --json of an earlier run on the same GPU that "
+                                                     "measured the other side")
+    ap.add_argument("--join", type=Path, nargs=2, metavar=("OURS_JSON", "PEER_JSON"),
+                    help="compare the --json files of a --side ours and a --side peer run (no GPU needed)")
     ap.add_argument("--peer-only", action="store_true", help="with --peer-gsplat: only the comparison, not the "
                     "default run on the benchmark scene")
     args = ap.parse_args(argv)
+
+    if args.join is not None:
+        from bench import peer_gsplat as pg
+
+        try:
+            out = join(*args.join)
+        except pg.PeerError as e:
+            print(f"bench/gpu.py: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+        if args.json:
+            args.json.write_text(json.dumps(out, indent=2))
+        return out
 
     if args.peer_gsplat is not None:  # bad arguments are reported before anything else, with or without a GPU
         from bench import peer_gsplat as pg
@@ -302,6 +373,11 @@ def main(argv=None) -> dict:
             if args.scene is not None and not (args.scene / "images").is_dir():
                 raise pg.PeerError(f"--scene {args.scene}: no images/ folder; pass an undistorted COLMAP folder "
                                    "(images/ and a PINHOLE sparse/ model, e.g. data/<scene>/undistorted)")
+            if args.other_json is not None and not args.other_json.is_file():
+                raise pg.PeerError(f"--other-json {args.other_json}: no such file; pass the --json an earlier "
+                                   "--side run wrote")
+            if args.other_json is not None and args.side == "both":
+                raise pg.PeerError("--other-json needs --side ours or --side peer (the side this run measures)")
             for name in ("peer_steps", "curve_points"):
                 if getattr(args, name) < 1:
                     raise pg.PeerError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least 1")

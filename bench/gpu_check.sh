@@ -8,7 +8,9 @@
 #   4. with PEER_GSPLAT=<a gsplat checkout>: bench/gpu.py --peer-gsplat, splatflow against gsplat's
 #      examples/simple_trainer.py on the same scene (PEER_SCENE=<undistorted COLMAP folder>, default the benchmark
 #      scene), split and resolution (PEER_MAX_SIDE), PEER_STEPS steps for the peer (default 30000), run by
-#      PEER_PYTHON (an environment with the checkout's examples/requirements.txt; it is checked before training).
+#      PEER_PYTHON (an environment with the checkout's examples/requirements.txt; it is checked before training);
+#      PEER_SIDE=peer|ours measures one side (PEER_OTHER=<the other side's gpu_peer.json> joins them), so that the
+#      peer's 30,000 steps and splatflow's run can go in two calls on the same GPU.
 # Each phase has a time limit and its log is kept, so a failure in one leaves the others' figures.
 #
 #   bash bench/gpu_check.sh [OUTDIR]        (default bench/out/gpu; PYTHON=... picks the interpreter,
@@ -33,8 +35,10 @@ if [ -n "${KIT:-}" ]; then
   export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
   # the peer's interpreter: the old pycolmap (SceneManager) and fused-ssim first, the placeholder AlexNet
   # checkpoint as its torch hub (its LPIPS is then discarded: --peer-drop-lpips)
+  # fused-ssim is built outside the kit (a later call on the same machine finds it built: the kit is sent afresh)
+  fssim=/tmp/splatflow_fused_ssim; [ -d "$fssim" ] || cp -r "$kit/fused-ssim" "$fssim"
   printf '#!/bin/sh\nPYTHONPATH="%s:%s:$PYTHONPATH" TORCH_HOME="%s" exec %s "$@"\n' \
-    "$kit/peer-site" "$kit/fused-ssim" "$kit" "$pyabs" > /tmp/peer-python
+    "$kit/peer-site" "$fssim" "$kit" "$pyabs" > /tmp/peer-python
   chmod +x /tmp/peer-python
   export PEER_GSPLAT=${PEER_GSPLAT:-$kit/gsplat} PEER_PYTHON=${PEER_PYTHON:-/tmp/peer-python}
   export PEER_SCENE=${PEER_SCENE:-$kit/scene} PEER_ARGS="${PEER_ARGS:-} --peer-drop-lpips"
@@ -61,7 +65,8 @@ want() { case " ${PHASES:-build tests bench peer} " in *" $1 "*) return 0;; esac
 # (the build phase is needed by the others; on a machine that built them already it takes seconds)
 (timeout 400 $py bench/train_step.py --cases 2K@240x135 --steps 3 --threads 4 > "$out/cpu_warmup.log" 2>&1) &
 if [ -n "${KIT:-}" ]; then  # fused-ssim (one .cu file) for the peer, beside gsplat's build
-  (t0=$(stamp); cd "$kit/fused-ssim" && timeout 400 "$pyabs" setup.py build_ext --inplace > "$out/fused_ssim_build.log" 2>&1
+  (t0=$(stamp); cd "$fssim" && { compgen -G "fused_ssim_cuda*.so" >/dev/null && echo "built already" ||
+     timeout 400 "$pyabs" setup.py build_ext --inplace; } > "$out/fused_ssim_build.log" 2>&1
    echo "fused-ssim build: rc=$? in $(( $(stamp) - t0 )) s" >> "$out/summary.txt") &
 fi
 if want kerneltests; then  # the kernels that need no gsplat (Triton, torch), on the GPU beside gsplat's build
@@ -124,6 +129,7 @@ timeout $limit $py bench/gpu.py --deadline $(( limit - 10 )) --work "$work" --js
   --peer-gsplat "$PEER_GSPLAT" --peer-python "${PEER_PYTHON:-$py}" ${PEER_SCENE:+--scene "$PEER_SCENE"} \
   ${PEER_MAX_SIDE:+--max-side "$PEER_MAX_SIDE"} --peer-steps "${PEER_STEPS:-30000}" \
   --peer-timeout "${PEER_TIMEOUT:-420}" ${PEER_PROFILE_AT:+--profile-at "$PEER_PROFILE_AT"} ${PEER_ARGS:-} \
+  ${PEER_SIDE:+--side "$PEER_SIDE"} ${PEER_OTHER:+--other-json "$PEER_OTHER"} \
   > "$out/gpu_peer.log" 2>&1
 echo "bench/gpu.py --peer-gsplat: rc=$? in $(( $(stamp) - t )) s" | tee -a "$out/summary.txt"
 grep -v "it/s\]$" "$out/gpu_peer.log" | tail -40

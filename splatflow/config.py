@@ -429,7 +429,9 @@ class TrainConfig:
     early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
     appearance: AppearanceConfig = field(default_factory=AppearanceConfig)
     prune_during: PruneDuringConfig = field(default_factory=PruneDuringConfig)
-    checkpoint_every: int = 1000
+    # steps between checkpoints; "auto": 1000 on the CPU, 5000 on CUDA (train/plan.py: a GPU does 1000 steps in
+    # ~10 s and a checkpoint of a million Gaussians costs it ~1 s)
+    checkpoint_every: int | Literal["auto"] = "auto"
     resume: bool = True  # continue from an unfinished checkpoint of the same config
     log_every: int = 10  # rows in plots/S/train.csv and batched MLflow step metrics
     image_cache_mb: int = 2048
@@ -456,7 +458,8 @@ class TrainConfig:
         check(starts[0] == 0, "train.resolution[0]", "a first phase starting at step 0", self.resolution[0])
         check(all(a < b for a, b in zip(starts, starts[1:])), "train.resolution",
               "phases with strictly increasing starts", starts)
-        check(self.checkpoint_every >= 1, "train.checkpoint_every", "an integer >= 1", self.checkpoint_every)
+        check(self.checkpoint_every == "auto" or self.checkpoint_every >= 1, "train.checkpoint_every",
+              "auto or an integer >= 1", self.checkpoint_every)
         check(self.log_every >= 1, "train.log_every", "an integer >= 1", self.log_every)
         check(self.image_cache_mb >= 16, "train.image_cache_mb", "an integer >= 16", self.image_cache_mb)
         pd = self.prune_during
@@ -470,7 +473,7 @@ class TrainConfig:
     def planned(self) -> bool:
         """True when the step count, the Gaussian budget and the schedule are settled (pinned, or resolved by the
         plan)."""
-        return self.max_steps != "auto" and self.densify.max_gaussians != "auto" and self.coarse_to_fine != "auto"
+        return "auto" not in (self.max_steps, self.densify.max_gaussians, self.coarse_to_fine, self.checkpoint_every)
 
     def window_pixels(self, backend: str) -> int:
         """The window area a run on ``backend`` ("cpu", "cuda", "torch") trains on: ``patch_max_pixels``, with

@@ -164,6 +164,28 @@ def test_gpu_bench_arguments_without_a_gpu(tmp_path):
     (tmp_path / "co").mkdir()
     bad = _gpu_py("--peer-gsplat", str(tmp_path / "co"), "--work", str(tmp_path / "w"))
     assert bad.returncode == 2 and "examples/simple_trainer.py is missing" in bad.stderr
+    for rel in (pg.PEER_SCRIPT, pg.PEER_PARSER):  # a checkout's files, so that the next check is the one seen
+        (tmp_path / "co2" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "co2" / rel).write_text("")
+    bad = _gpu_py("--peer-gsplat", str(tmp_path / "co2"), "--side", "ours", "--other-json", str(tmp_path / "n.json"))
+    assert bad.returncode == 2 and "--other-json" in bad.stderr and "Traceback" not in bad.stderr
     ok = _gpu_py("--work", str(tmp_path / "w"))
     assert ok.returncode == 0 and "no CUDA GPU" in ok.stdout
     assert not (tmp_path / "w").exists()  # nothing prepared or trained
+
+
+def test_two_side_runs_join_into_one_comparison(tmp_path):
+    """A short GPU call per side: --join compares the two JSON files as one run of both would, and names a file
+    that holds the wrong side."""
+    peer = [{"step": 7000, "seconds": 100.0, "psnr": 25.0}, {"step": 30000, "seconds": 400.0, "psnr": 27.0}]
+    ours = [{"step": 1000, "seconds": 20.0, "psnr": 24.0}, {"step": 3000, "seconds": 60.0, "psnr": 28.0}]
+    a, b = tmp_path / "ours.json", tmp_path / "peer.json"
+    a.write_text(json.dumps({"device_name": "a GPU", "peer": {"ours_curve": ours, "peer_curve": None}}))
+    b.write_text(json.dumps({"device_name": "a GPU", "peer": {"ours_curve": None, "peer_curve": peer}}))
+    res = _gpu_py("--join", str(a), str(b), "--json", str(tmp_path / "both.json"))
+    assert res.returncode == 0, res.stderr
+    assert "time ratio 0.125" in res.stdout  # 50 s (27 dB between 24 and 28) against 400 s
+    both = json.loads((tmp_path / "both.json").read_text())["peer"]
+    assert both["time_ratio_at_peer_final_psnr"] == pytest.approx(0.125) and both["peer_curve"] == peer
+    bad = _gpu_py("--join", str(b), str(b))
+    assert bad.returncode == 2 and "no ours_curve" in bad.stderr and "Traceback" not in bad.stderr

@@ -149,3 +149,39 @@ def test_coarse_to_fine_is_the_cpus_and_whole_images_from_the_start_the_gpus():
     assert kept.resolution == TrainConfig().resolution and kept.blur == TrainConfig().blur
     with pytest.raises(ConfigError, match="train.coarse_to_fine"):
         params_from_dict({"train": {"coarse_to_fine": "sometimes"}})
+
+
+def test_whole_resolution_densifies_from_step_500_and_the_strategy_gets_that_step():
+    """Without coarse to fine densification begins once the SfM points have settled (500 steps, as 3DGS), not at a
+    fraction of a long GPU plan; coarse to fine keeps the fraction (its second level's start); a shorter run keeps
+    its earlier fraction; and the strategy the trainer builds starts at exactly that step."""
+    from splatflow.train.strategies import make_strategy
+
+    gpu_plan = plan.resolve(TrainConfig(), None, "cuda", 80.0, pixels=BONSAI)
+    gpu = plan.apply(TrainConfig(), gpu_plan)
+    assert gpu_plan.max_steps * TrainConfig().densify.refine_start_fraction > 500
+    assert gpu_plan.refine_start_step == 500 and gpu_plan.record()["refine_start_step"] == 500
+    strat = make_strategy(gpu.densify, max_steps=gpu.max_steps, initial_count=50_000)
+    assert strat.refine_start_iter == 500
+    cpu_plan = plan.resolve(TrainConfig(), None, "cpu", pixels=BONSAI)
+    cpu = plan.apply(TrainConfig(), cpu_plan)
+    assert cpu_plan.refine_start_step is None and cpu.densify == replace(TrainConfig().densify,
+                                                                          max_gaussians=cpu_plan.max_gaussians)
+    short = TrainConfig(max_steps=4000, coarse_to_fine=False)
+    short_plan = plan.resolve(short, None, "cpu", pixels=BONSAI)
+    assert short_plan.refine_start_step == 200  # 0.05 x 4000: before 500 already
+    for steps in (10_001, 17_777, 23_700, 40_000):  # the step comes back exactly through the fraction
+        c = plan.apply(TrainConfig(max_steps=steps, coarse_to_fine=False),
+                       plan.resolve(TrainConfig(max_steps=steps, coarse_to_fine=False), None, "cpu", pixels=BONSAI))
+        assert make_strategy(c.densify, max_steps=steps, initial_count=1000).refine_start_iter == 500
+
+
+def test_checkpoints_are_sparser_on_a_gpu_and_a_number_pins_them():
+    cpu = plan.resolve(TrainConfig(), None, "cpu", pixels=BONSAI)
+    gpu = plan.resolve(TrainConfig(), None, "cuda", 80.0, pixels=BONSAI)
+    assert (cpu.checkpoint_every, gpu.checkpoint_every) == (1000, 5000)
+    assert plan.apply(TrainConfig(), gpu).checkpoint_every == 5000 and plan.apply(TrainConfig(), gpu).planned
+    pinned = TrainConfig(checkpoint_every=250)
+    assert plan.resolve(pinned, None, "cuda", 80.0, pixels=BONSAI).checkpoint_every == 250
+    with pytest.raises(ConfigError, match="train.checkpoint_every"):
+        params_from_dict({"train": {"checkpoint_every": "often"}})

@@ -51,6 +51,14 @@ LIMITS = {
 # Gaussians a GPU holds per GiB of memory while training (parameters, Adam moments, gradients and the
 # rasterizer's per-tile lists): a cap under the budget on small cards.
 GAUSSIANS_PER_GIB = 250_000
+# A whole-resolution run starts densifying once the SfM points have settled, after this many steps whatever the
+# run's length (3DGS and gsplat: 500 of 30,000). A fraction of a long GPU plan would wait longer (1,185 steps of
+# 23,700) and leave its early steps to a model of SfM points; coarse to fine keeps the fraction, which falls where
+# its second resolution level begins.
+WHOLE_RESOLUTION_REFINE_START = 500
+# train.checkpoint_every: auto. A checkpoint of the parameters and Adam moments costs a GPU run about a second
+# at ~900K Gaussians (640 MB written) where 1,000 steps take ~10 s; on the CPU 1,000 steps are minutes.
+CHECKPOINT_EVERY = {"cpu": 1000, "cuda": 5000}
 
 
 @dataclass(frozen=True)
@@ -67,12 +75,15 @@ class Plan:
     gpu_memory_gib: float | None = None
     coarse_to_fine: bool = True
     coarse_to_fine_auto: bool = False
+    refine_start_step: int | None = None  # whole resolution: densification from this step (None: the fraction)
+    checkpoint_every: int = 1000
 
     def record(self) -> dict:
         """For train.json and MLflow: numbers only."""
         return {"max_steps": self.max_steps, "max_gaussians": self.max_gaussians,
                 "steps_auto": int(self.steps_auto), "gaussians_auto": int(self.gaussians_auto),
                 "coarse_to_fine": int(self.coarse_to_fine), "coarse_to_fine_auto": int(self.coarse_to_fine_auto),
+                "refine_start_step": self.refine_start_step, "checkpoint_every": self.checkpoint_every,
                 "train_views": self.train_views, "pixels_per_view": self.pixels_per_view,
                 "content_ratio": round(self.content_ratio, 4), "gpu_memory_gib": self.gpu_memory_gib}
 
@@ -118,18 +129,32 @@ def resolve(cfg: TrainConfig, views, device_kind: str, gpu_memory_gib: float | N
         if kind == "cuda" and gpu_memory_gib:
             budget = min(budget, int(GAUSSIANS_PER_GIB * gpu_memory_gib) // 10_000 * 10_000)
     c2f = (kind == "cpu") if cfg.coarse_to_fine == "auto" else bool(cfg.coarse_to_fine)
+    refine_start = None
+    if not c2f:
+        refine_start = min(int(cfg.densify.refine_start_fraction * steps), WHOLE_RESOLUTION_REFINE_START)
     return Plan(max_steps=int(steps), max_gaussians=int(budget), steps_auto=cfg.max_steps == "auto",
                 gaussians_auto=cfg.densify.max_gaussians == "auto", quality=cfg.quality, device_kind=kind,
                 train_views=n, pixels_per_view=per_view, content_ratio=ratio,
                 gpu_memory_gib=None if kind == "cpu" else gpu_memory_gib, coarse_to_fine=c2f,
-                coarse_to_fine_auto=cfg.coarse_to_fine == "auto")
+                coarse_to_fine_auto=cfg.coarse_to_fine == "auto", refine_start_step=refine_start,
+                checkpoint_every=checkpoint_every(cfg, kind))
+
+
+def checkpoint_every(cfg: TrainConfig, device_kind: str) -> int:
+    """``train.checkpoint_every`` with "auto" resolved for ``device_kind`` ("cpu", "torch" or "cuda")."""
+    if cfg.checkpoint_every != "auto":
+        return int(cfg.checkpoint_every)
+    return CHECKPOINT_EVERY["cuda" if device_kind == "cuda" else "cpu"]
 
 
 def apply(cfg: TrainConfig, plan: Plan) -> TrainConfig:
-    """``cfg`` with the plan's numbers in place of "auto"; without coarse to fine, one whole-resolution phase
-    and no blur in place of the schedules."""
-    out = dataclasses.replace(cfg, max_steps=plan.max_steps, coarse_to_fine=plan.coarse_to_fine,
-                              densify=dataclasses.replace(cfg.densify, max_gaussians=plan.max_gaussians))
+    """``cfg`` with the plan's numbers in place of "auto"; without coarse to fine, one whole-resolution phase,
+    no blur in place of the schedules and densification from the plan's start step."""
+    densify = dataclasses.replace(cfg.densify, max_gaussians=plan.max_gaussians)
+    if plan.refine_start_step is not None:
+        densify = dataclasses.replace(densify, refine_start_fraction=plan.refine_start_step / plan.max_steps)
+    out = dataclasses.replace(cfg, max_steps=plan.max_steps, coarse_to_fine=plan.coarse_to_fine, densify=densify,
+                              checkpoint_every=plan.checkpoint_every)
     if not plan.coarse_to_fine:
         out = dataclasses.replace(out, resolution=(ResolutionPhase(1.0, start_fraction=0.0),),
                                   blur=dataclasses.replace(cfg.blur, sigma_start_px=0.0))

@@ -400,7 +400,7 @@ def make_strategy(dcfg, *, max_steps: int, initial_count: int) -> Strategy | Non
     cap = min(max_gaussians, budget_multiplier x initial count) (Taming 3DGS's budget).
     """
     cap = int(min(dcfg.max_gaussians, math.floor(dcfg.budget_multiplier * initial_count)))
-    start = int(dcfg.refine_start_fraction * max_steps)
+    start = int(dcfg.refine_start_fraction * max_steps + 1e-9)  # a plan's step / max_steps gives the step back
     stop = int(dcfg.refine_stop_fraction * max_steps)
     if dcfg.strategy == "default":
         return BudgetedDefaultStrategy(
