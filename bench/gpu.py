@@ -300,7 +300,9 @@ def join(ours_json: Path, peer_json: Path) -> dict:
     print(pg.curve_table("splatflow", sides[0]))
     print(pg.curve_table("gsplat simple_trainer", sides[1]))
     base = json.loads(Path(ours_json).read_text())
-    base["peer"].update(peer_curve=sides[1], sides_from={"ours": str(ours_json), "peer": str(peer_json)},
+    peer_side = json.loads(Path(peer_json).read_text())["peer"]
+    base["peer"].update(peer_curve=sides[1], peer_exit=peer_side.get("peer_exit"),
+                        sides_from={"ours": str(ours_json), "peer": str(peer_json)},
                         **print_comparison(*sides))
     return base
 
