@@ -257,6 +257,13 @@ def main() -> None:
         overrides.append((key, yaml.safe_load(value)))
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
+    if args.start_at != STAGES[0]:  # every scene's earlier stages before any work, not after the first scene's hour
+        missing = [str(work / scene / f"bench.{stage}.json") for scene in scenes
+                   for stage in STAGES[:STAGES.index(args.start_at)]
+                   if not (work / scene / f"bench.{stage}.json").exists()]
+        if missing:
+            raise SystemExit(f"--start-at {args.start_at}: {missing[0]} is missing ({len(missing)} record(s) in all); "
+                             "run the earlier stages of those scenes first, or leave them out of --scenes")
     started = {"load_average": load_average(), "time": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                "cpus": os.cpu_count(), "commit": git_commit(), "set": args.set}
     print(f"real scenes {scenes}; load {started['load_average']} on {started['cpus']} CPUs; "
