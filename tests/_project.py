@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -27,6 +31,45 @@ TINY_PARAMS = {
     "prune": {"phases": 1, "finetune_steps": 2, "progress": False},
     "evaluate": {"lpips_variants": []},
 }
+
+
+# A folder every process of one test run sees (tests/conftest.py sets it: under pytest-xdist, the folder above the
+# workers' own temp folders), for what is built once per run and then copied. None outside pytest: built each time.
+SHARED: Path | None = None
+
+
+@contextlib.contextmanager
+def shared_lock(name: str):
+    """An exclusive lock on ``SHARED/<name>.lock`` across the processes of a test run (no-op without ``SHARED``)."""
+    if SHARED is None:
+        yield
+        return
+    SHARED.mkdir(parents=True, exist_ok=True)
+    with open(SHARED / f"{name}.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def write_scene_copy(out_dir: Path, **options) -> Path:
+    """``write_scene(out_dir, **options)``, from files generated once per test run and copied: equal options give
+    byte-identical files (splatflow.scene.synthetic.write_scene), and rendering the 12 views of TINY_SCENE costs
+    ~5 CPU-s that most tests making a project would otherwise pay again."""
+    from splatflow.scene.synthetic import write_scene
+
+    if SHARED is None:
+        write_scene(out_dir, progress=False, **options)
+        return out_dir
+    key = json.dumps(options, sort_keys=True)
+    cached = SHARED / "scenes" / hashlib.sha1(key.encode()).hexdigest()[:16]
+    with shared_lock("scenes"):
+        if not cached.is_dir():
+            write_scene(cached.with_suffix(".tmp"), progress=False, **options)
+            cached.with_suffix(".tmp").rename(cached)
+    shutil.copytree(cached, out_dir, dirs_exist_ok=True)
+    return out_dir
 
 
 def project_env() -> dict:
@@ -70,9 +113,7 @@ def make_project(root: Path, overrides: dict | None = None, scene: str = "tiny",
             params[section] = values
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     if generate:
-        from splatflow.scene.synthetic import write_scene
-
-        write_scene(root / raw, progress=False, **(scene_options or TINY_SCENE))
+        write_scene_copy(root / raw, **(scene_options or TINY_SCENE))
     return init_repo(root, "test project")
 
 
