@@ -1,6 +1,7 @@
 """Shared test settings: quiet, offline, deterministic, and no MLflow unless a test asks for it."""
 
 import os
+import shutil
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("SPLATFLOW_TRACKING", "off")
@@ -17,6 +18,29 @@ def pytest_configure(config):
     # the end of the suite. Its own order off, the files go out in the order pytest_collection_modifyitems makes.
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
+
+
+def pytest_sessionstart(session):
+    import tests._project
+
+    # What tests build once per run and copy (tests/_project.py: the generated scenes, the reconstructed project)
+    # goes where every pytest-xdist worker of this run finds it: the folder above the workers' own temp folders.
+    base = session.config._tmp_path_factory.getbasetemp()
+    worker = hasattr(session.config, "workerinput")
+    tests._project.SHARED = (base.parent if worker else base) / "shared"
+
+    # The CPU training kernels compile once, in the controller, before the pytest-xdist workers start: a fresh
+    # clone's numba cache is empty, and the first test of each worker compiling them at once cost about a minute
+    # of CPU twice over (splatflow.train.precompile: two helper processes on two cores; nothing when cached).
+    if worker or getattr(session.config.option, "numprocesses", None) in (None, 0):
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    from splatflow.train.precompile import precompile
+
+    precompile(2)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -81,14 +105,25 @@ from tests._project import TINY_PARAMS as LOOK_PARAMS  # noqa: E402
 def reconstructed(tmp_path_factory):
     """A throw-away project whose scene ``tiny`` went through every DVC stage, report included (``dvc repro``)."""
     from splatflow import webbundle
-    from tests._project import dvc, make_project
+    from tests._project import SHARED, dvc, make_project, shared_lock
 
     if not webbundle.is_current():
-        import shutil
-
         if shutil.which("npm") is None:
             pytest.skip("the report's viewer script is not built and npm is missing: run `make web`")
         webbundle.build(log=lambda s: None)
-    root = make_project(tmp_path_factory.mktemp("look") / "p", overrides=LOOK_PARAMS)
-    dvc(root, "repro")
+    if SHARED is None:
+        root = make_project(tmp_path_factory.mktemp("look") / "p", overrides=LOOK_PARAMS)
+        dvc(root, "repro")
+        return root
+    # Built by the first worker that needs it, copied by the others (the report, viewer and metrics-file tests
+    # only read it): one `dvc repro` of the whole pipeline per run instead of one per worker.
+    built = SHARED / "look" / "p"
+    with shared_lock("look"):
+        if not (built.parent / "done").exists():
+            shutil.rmtree(built.parent, ignore_errors=True)
+            make_project(built, overrides=LOOK_PARAMS)
+            dvc(built, "repro")
+            (built.parent / "done").write_text("")
+    root = tmp_path_factory.mktemp("look") / "p"
+    shutil.copytree(built, root, symlinks=True)
     return root
