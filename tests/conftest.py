@@ -50,7 +50,11 @@ def pytest_collection_modifyitems(config, items):
     # end-to-end files start at once and the short ones fill in around them, instead of one long file at the end
     # running alone (pytest_configure keeps pytest-xdist from reordering them).
     slow_modules = {item.module.__name__ for item in items if "slow" in item.keywords}
-    items.sort(key=lambda item: item.module.__name__ not in slow_modules)
+    # The files reading the shared reconstructed project (the fixture below): the first builds it, the others wait
+    # for it, so they go after the other slow files, by when it is built, instead of waiting idle beside its build.
+    readers = list(dict.fromkeys(item.module.__name__ for item in items if "reconstructed" in item.fixturenames))
+    later = set(readers[1:])
+    items.sort(key=lambda item: (item.module.__name__ not in slow_modules, item.module.__name__ in later))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
