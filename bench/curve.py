@@ -52,7 +52,7 @@ def main(argv=None) -> int:
 
     from bench.gpu import CurveRecorder, curve_steps, load_bench_scene
     from bench.train_demo import train_config
-    from splatflow.errors import UserError
+    from splatflow.pipeline.errors import UserError
     from splatflow.render import configure_threads
     from splatflow.train import Trainer
 

@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         clone.run("build-web")
 
     sys.path.insert(0, str(clone_dir))
-    from splatflow.config import load_params
+    from splatflow.pipeline.config import load_params
     from splatflow.train.plan import checkpoint_every
 
     params = load_params(clone_dir / "params.yaml").for_scene(SCENE)

@@ -63,7 +63,7 @@ def print_busy_share(prof: dict, args, what: str) -> float:
 @torch.no_grad()
 def test_psnr_on(splats, sh_degree, views, device) -> list[float]:
     """Per-view test PSNR, rendering on ``device`` (one image pair there at a time)."""
-    from splatflow.model import Splats, render_view
+    from splatflow.gaussians.model import Splats, render_view
     from splatflow.scene.pixels import read_rgb
 
     splats = Splats.of(splats).to(device)
@@ -148,8 +148,8 @@ class CurveRecorder:
 
     @torch.no_grad()
     def record(self, step: int) -> None:
-        from splatflow.metrics import psnr, ssim
-        from splatflow.model import render_view
+        from splatflow.evaluation.metrics import psnr, ssim
+        from splatflow.gaussians.model import render_view
         from splatflow.scene.resolution import read_view_rgb
 
         tr = self.trainer
@@ -185,7 +185,7 @@ def load_bench_scene(scene_dir: Path | None, work: Path, threads: int, max_side:
     """The comparison's scene: ``scene_dir`` (an undistorted COLMAP folder) or the benchmark scene, split every
     8th name-sorted view (simple_trainer's rule), at most ``max_side`` px on its longest side."""
     from bench.train_demo import prepare
-    from splatflow.config import ResolutionConfig, SplitConfig
+    from splatflow.pipeline.config import ResolutionConfig, SplitConfig
     from splatflow.scene.dataset import load_scene
     from splatflow.scene.resolution import apply_resolution
     from splatflow.scene.split import write_split
@@ -201,7 +201,7 @@ def load_bench_scene(scene_dir: Path | None, work: Path, threads: int, max_side:
 def peer_compare(args, cfg, dev, out: dict) -> None:
     """``--peer-gsplat``: splatflow and simple_trainer on the same scene and GPU; figures into ``out``."""
     from bench import peer_gsplat as pg
-    from splatflow.lpips import LpipsSet
+    from splatflow.evaluation.lpips import LpipsSet
     from splatflow.train import Trainer
 
     import shutil
@@ -310,7 +310,7 @@ def join(ours_json: Path, peer_json: Path) -> dict:
 def _peer_or_exit(args, cfg, dev, out: dict) -> None:
     """:func:`peer_compare`, a bad scene or peer output reported in one line (exit 2) instead of a traceback."""
     from bench.peer_gsplat import PeerError
-    from splatflow.errors import UserError
+    from splatflow.pipeline.errors import UserError
 
     try:
         peer_compare(args, cfg, dev, out)
@@ -404,7 +404,7 @@ def main(argv=None) -> dict:
             raise SystemExit(2)
 
     from bench.train_demo import prepare, train_config
-    from splatflow.device import check_gsplat_cuda, reset_peak_memory, resolve, run_record
+    from splatflow.pipeline.device import check_gsplat_cuda, reset_peak_memory, resolve, run_record
     from splatflow.render import configure_threads
     from splatflow.scene.dataset import load_scene
     from splatflow.train import Trainer

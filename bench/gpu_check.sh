@@ -78,7 +78,7 @@ if want kerneltests; then  # the kernels that need no gsplat (Triton, torch), on
    [ $krc -eq 0 ] || touch "$out/.kernels_failed") &
 fi
 t=$(stamp)
-timeout ${BUILD_TIMEOUT:-400} $py -c "from splatflow.device import check_gsplat_cuda; check_gsplat_cuda()" \
+timeout ${BUILD_TIMEOUT:-400} $py -c "from splatflow.pipeline.device import check_gsplat_cuda; check_gsplat_cuda()" \
   > "$out/gsplat_build.log" 2>&1
 rc=$?
 echo "gsplat kernels: rc=$rc in $(( $(stamp) - t )) s" | tee -a "$out/summary.txt"

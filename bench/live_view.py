@@ -41,13 +41,13 @@ def main() -> None:
 
     import torch
 
-    from splatflow.config import load_params
-    from splatflow.live_view import LiveView
-    from splatflow.model import SPLAT_KEYS
+    from splatflow.pipeline.config import load_params
+    from splatflow.present.live_view import LiveView
+    from splatflow.gaussians.model import SPLAT_KEYS
     from splatflow.orchestrate.servers import free_port
-    from splatflow.paths import ScenePaths
+    from splatflow.pipeline.paths import ScenePaths
     from splatflow.render import configure_threads
-    from splatflow.report import scene_cameras
+    from splatflow.present.report import scene_cameras
     from splatflow.scene.resolution import load_working_scene
     from splatflow.train import train
 

@@ -115,9 +115,9 @@ def evaluate_ply(ply: Path, scene, evaluate_cfg) -> dict:
     """Test PSNR/SSIM/LPIPS of an Inria-layout PLY on ``scene``'s test views (our evaluator, our protocol)."""
     import torch
 
-    from splatflow.evaluate import evaluate
+    from splatflow.evaluation.evaluate import evaluate
     from splatflow.formats.ply import read_ply
-    from splatflow.model import Splats
+    from splatflow.gaussians.model import Splats
 
     splats, deg = read_ply(ply)
     model = Splats.of({k: torch.as_tensor(np.asarray(v), dtype=torch.float32) for k, v in splats.items()})

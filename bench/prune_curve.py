@@ -1,7 +1,7 @@
 """Benchmark: model size vs TEST PSNR along the pruning phases (the goal: ~10% of the
 Gaussians for <= 1 dB of test PSNR).
 
-Runs the prune stage's work (:func:`splatflow.prune.run_prune`, recovery fine-tune included) on a trained
+Runs the prune stage's work (:func:`splatflow.compress.prune.run_prune`, recovery fine-tune included) on a trained
 checkpoint and, after every phase, renders the split's TEST views under ``torch.no_grad`` at full resolution.
 Test views only measure; nothing is fitted to them (the stage's early stop uses training views). By default the
 early stop is off here (``--max-drop-db inf``) so the whole curve is seen; pass the stage's value to reproduce
@@ -50,10 +50,10 @@ def main(argv=None) -> None:
 
     import torch
 
-    from splatflow import prune, scoring
-    from splatflow.config import load_params
-    from splatflow.model import load_splats
-    from splatflow.paths import ScenePaths
+    from splatflow.compress import prune, scoring
+    from splatflow.pipeline.config import load_params
+    from splatflow.gaussians.model import load_splats
+    from splatflow.pipeline.paths import ScenePaths
     from splatflow.render import configure_threads
     from splatflow.scene.dataset import load_scene
     from splatflow.scene.images import ImageCache
@@ -139,7 +139,7 @@ def main(argv=None) -> None:
 def _train_seconds(ckpt: Path, paths) -> float | None:
     """Training time of ``ckpt`` (its recorded training time without validation; the train stage's metrics when
     the checkpoint does not say)."""
-    from splatflow.model import load_checkpoint
+    from splatflow.gaussians.model import load_checkpoint
 
     s = load_checkpoint(ckpt).get("elapsed_seconds")
     if not s and paths.metrics_json("train").exists():

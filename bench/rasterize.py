@@ -29,7 +29,7 @@ import splatflow  # noqa: E402,F401  (first: its process defaults for OpenMP and
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from splatflow.runtime_env import peak_rss_mb  # noqa: E402
+from splatflow.pipeline.runtime_env import peak_rss_mb  # noqa: E402
 
 CASES = [
     ("2K@240x135", 2_000, 240, 135),

@@ -31,8 +31,8 @@ from pathlib import Path
 
 import yaml
 
-from splatflow import records
-from splatflow.paths import ScenePaths
+from splatflow.pipeline import records
+from splatflow.pipeline.paths import ScenePaths
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("settings", "ingest", "sfm", "split", "train", "prune", "evaluate", "export")
@@ -154,11 +154,11 @@ def evaluate_checkpoints(proj: Path, scene: str, ckpts: list[Path]) -> list[dict
     code = f"""
 import dataclasses, json, sys, torch
 from pathlib import Path
-from splatflow.config import load_params
-from splatflow.paths import ScenePaths
+from splatflow.pipeline.config import load_params
+from splatflow.pipeline.paths import ScenePaths
 from splatflow.scene.resolution import load_working_scene
-from splatflow.evaluate import evaluate
-from splatflow.model import load_checkpoint, load_splats
+from splatflow.evaluation.evaluate import evaluate
+from splatflow.gaussians.model import load_checkpoint, load_splats
 params = load_params('params.yaml').for_scene({scene!r})
 paths = ScenePaths({scene!r})
 scene, _ = load_working_scene(params, paths)
@@ -317,8 +317,8 @@ def run_peer(proj: Path, scene: str, binary: Path, steps: int, log_dir: Path) ->
 
     from peers import evaluate_ply, run_opensplat, write_colmap_project
 
-    from splatflow.config import load_params
-    from splatflow.paths import ScenePaths
+    from splatflow.pipeline.config import load_params
+    from splatflow.pipeline.paths import ScenePaths
     from splatflow.scene.resolution import load_working_scene
 
     params = load_params(proj / "params.yaml").for_scene(scene)

@@ -58,7 +58,7 @@ VARIANTS = {
 
 def prepare(work: Path):
     """The demo scene with its true cameras and the every-8th split, written once into ``work``."""
-    from splatflow.config import SplitConfig
+    from splatflow.pipeline.config import SplitConfig
     from splatflow.scene.dataset import load_scene
     from splatflow.scene.split import split_names
     from splatflow.scene.synthetic import DEMO_DEFAULTS, write_scene
@@ -78,7 +78,7 @@ def _override(cfg, key: str, value):
 
 
 def demo_cfg(steps: int | None, overrides: dict):
-    from splatflow.config import load_params
+    from splatflow.pipeline.config import load_params
 
     cfg = load_params(ROOT / "params.yaml").for_scene("demo").train
     cfg = replace(cfg, backend="cpu", progress=False, checkpoint_every=100_000)

@@ -10,7 +10,7 @@ decoded to float; renders not quantised).
 Targets: >= 28 dB test PSNR with <= 10 minutes of training on 2 cores; and, for quality per minute, >= 30 dB
 within 5 minutes of training (the unpruned model: ``--set prune_during.enabled=false``).
 
-After training, the prune stage's work (``splatflow.prune.run_prune`` with ``params.yaml``'s ``prune`` section) runs
+After training, the prune stage's work (``splatflow.compress.prune.run_prune`` with ``params.yaml``'s ``prune`` section) runs
 on the checkpoint and is timed, so the prune stage's time is reported beside the train stage's (one ratio per run),
 with the test PSNR of the model the prune stage writes. With ``train.prune_during`` on (the default) training
 already pruned the model and the prune stage verifies and copies it.
@@ -52,7 +52,7 @@ import torch  # noqa: E402
 
 def prepare(work: Path, threads: int) -> tuple[Path, Path, dict]:
     """Generate the scene and run SfM + split once; return (undistorted dir, split.json, sfm metrics)."""
-    from splatflow.config import load_params
+    from splatflow.pipeline.config import load_params
     from splatflow.scene.sfm import run_sfm
     from splatflow.scene.split import write_split
     from splatflow.scene.synthetic import write_scene
@@ -79,7 +79,7 @@ def prepare(work: Path, threads: int) -> tuple[Path, Path, dict]:
 
 @torch.no_grad()
 def test_psnr(splats, sh_degree, views) -> list[float]:
-    from splatflow.model import Splats, render_view
+    from splatflow.gaussians.model import Splats, render_view
     from splatflow.scene.pixels import read_rgb
 
     out = []
@@ -97,7 +97,7 @@ def train_config(max_steps: int | None = None, sets: list[str] | tuple = ()):
     section, YAML values, e.g. ``densify.max_gaussians=400000``), validated like params.yaml itself."""
     import yaml
 
-    from splatflow.config import params_from_dict
+    from splatflow.pipeline.config import params_from_dict
 
     raw = yaml.safe_load((ROOT / "params.yaml").read_text())
     tr = raw["train"]
@@ -132,7 +132,7 @@ def main(argv=None):
                     help="only measure test PSNR of a checkpoint (e.g. one saved on SIGTERM) and print its step")
     args = ap.parse_args(argv)
 
-    from splatflow.config import load_params
+    from splatflow.pipeline.config import load_params
     from splatflow.render import configure_threads
     from splatflow.scene.dataset import load_scene
     from splatflow.train import train
@@ -142,7 +142,7 @@ def main(argv=None):
     und, split_json, sfm = prepare(args.work, args.threads)
     scene = load_scene(und, split_json)
     if args.eval_only:
-        from splatflow.model import load_checkpoint, load_splats
+        from splatflow.gaussians.model import load_checkpoint, load_splats
 
         splats, deg = load_splats(args.eval_only)
         ck = load_checkpoint(args.eval_only)
@@ -160,7 +160,7 @@ def main(argv=None):
     if args.resume:
         cfg = replace(cfg, resume=True)
         if ckpt.exists():
-            from splatflow.model import load_checkpoint
+            from splatflow.gaussians.model import load_checkpoint
 
             ck = load_checkpoint(ckpt)
             prior_s, prior_step = float(ck.get("elapsed_seconds", 0.0)), int(ck["step"])
@@ -176,7 +176,7 @@ def main(argv=None):
     if args.resume_from:
         import shutil
 
-        from splatflow.model import load_checkpoint
+        from splatflow.gaussians.model import load_checkpoint
         from splatflow.train import Trainer
 
         class Forked(Trainer):  # resumes whatever config wrote the checkpoint (the benchmark's fork)
@@ -229,8 +229,8 @@ def main(argv=None):
               f"{cuts}; {pd['stop_reason'] or 'all phases kept'}")
         out["prune_during"] = pd
     if not args.no_prune:
-        from splatflow.model import load_splats
-        from splatflow.prune import run_prune
+        from splatflow.gaussians.model import load_splats
+        from splatflow.compress.prune import run_prune
 
         prune_cfg = load_params(ROOT / "params.yaml").prune
         t = time.perf_counter()

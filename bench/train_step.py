@@ -206,7 +206,7 @@ class PartTimer:
 
 
 def bench_case(name, n, w, h, steps, tmp, profile=False, blur_sigma=2.4):
-    from splatflow.config import TrainConfig
+    from splatflow.pipeline.config import TrainConfig
     from splatflow.train import Trainer
     from splatflow.train.schedules import BlurSchedule, ExpDecay, ResolutionSchedule, Schedules, SHSchedule
 
@@ -274,8 +274,8 @@ def trainer_from_checkpoint(work: Path, ckpt: Path, **train_overrides):
     """A CPU ``Trainer`` on ``bench/train_demo.py``'s scene in ``work``, in the state of its checkpoint ``ckpt``,
     with ``params.yaml``'s train section (no progress bar, no resume, no plateau stop, no pruning during training)
     and ``train_overrides``."""
-    from splatflow.config import load_params
-    from splatflow.model import Checkpoint
+    from splatflow.pipeline.config import load_params
+    from splatflow.gaussians.model import Checkpoint
     from splatflow.scene.dataset import load_scene
     from splatflow.train import Trainer
 

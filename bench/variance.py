@@ -40,7 +40,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
 
     from bench.train_demo import prepare, test_psnr
-    from splatflow.config import load_params
+    from splatflow.pipeline.config import load_params
     from splatflow.render import configure_threads
     from splatflow.scene.dataset import load_scene
     from splatflow.train import Trainer

@@ -69,7 +69,7 @@ def _params_for_logging(path: Path, scene: str):
     not load -- the failing stage will then say why."""
     import yaml
 
-    from splatflow.config import ConfigError, load_params
+    from splatflow.pipeline.config import ConfigError, load_params
 
     try:
         return load_params(path).for_scene(scene)
@@ -172,8 +172,8 @@ def publish_summary(root: Path, scene: str, *, main_root: Path, run: tracking.Sc
     """A Prefect markdown artifact in this flow run: headline metrics, the MLflow run's link, the report."""
     from prefect.artifacts import create_markdown_artifact
 
-    from splatflow.paths import ScenePaths
-    from splatflow.report import summary_markdown
+    from splatflow.pipeline.paths import ScenePaths
+    from splatflow.present.report import summary_markdown
 
     paths = ScenePaths(scene, root)
     run_url = run.url()

@@ -3,21 +3,21 @@
 Reads ``models/<scene>/prune/ckpt.pt``, ``data/<scene>/undistorted`` and ``data/<scene>/split.json``; writes
 ``metrics/<scene>/evaluate.json`` (the means; the protocol and any LPIPS variant's reason for being n/a go to
 ``metrics/<scene>/info/evaluate.json``), ``metrics/<scene>/headline.json`` (the scene's headline numbers, train's
-time included: :data:`splatflow.records.HEADLINE`), ``metrics/<scene>/per_view.csv`` (pandera-validated) and
-``data/<scene>/renders/<view>.png`` (render | ground truth | error map). The work is in :mod:`splatflow.evaluate`.
+time included: :data:`splatflow.pipeline.records.HEADLINE`), ``metrics/<scene>/per_view.csv`` (pandera-validated) and
+``data/<scene>/renders/<view>.png`` (render | ground truth | error map). The work is in :mod:`splatflow.evaluation.evaluate`.
 """
 
 from __future__ import annotations
 
-from splatflow import records
-from splatflow.config import Params
-from splatflow.evaluate import evaluate_scene
-from splatflow.paths import ScenePaths
-from splatflow.stage import stage_main
+from splatflow.pipeline import records
+from splatflow.pipeline.config import Params
+from splatflow.evaluation.evaluate import evaluate_scene
+from splatflow.pipeline.paths import ScenePaths
+from splatflow.pipeline.stage import stage_main
 
 
 def run(params: Params, paths: ScenePaths) -> dict:
-    from splatflow.device import resolve
+    from splatflow.pipeline.device import resolve
 
     cfg = params.evaluate
     resolve(cfg.backend)  # a missing GPU or a broken gsplat build is reported before anything else

@@ -1,6 +1,6 @@
 """DVC stage `export`: ``models/<scene>/prune/ckpt.pt`` -> ``models/<scene>/export/scene.{ply,splat,spz}``.
 
-Thin shell: writing and the independent read-back check of every file live in :mod:`splatflow.export`;
+Thin shell: writing and the independent read-back check of every file live in :mod:`splatflow.present.export`;
 ``metrics/<scene>/export.json`` lists each file with its size, Gaussian count and the errors measured on read-back.
 """
 
@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from splatflow.config import Params
-from splatflow.export import export_model
-from splatflow.model import load_splats
-from splatflow.paths import ScenePaths
-from splatflow.stage import stage_main
+from splatflow.pipeline.config import Params
+from splatflow.present.export import export_model
+from splatflow.gaussians.model import load_splats
+from splatflow.pipeline.paths import ScenePaths
+from splatflow.pipeline.stage import stage_main
 
 
 def run(params: Params, paths: ScenePaths) -> dict:

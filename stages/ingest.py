@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from splatflow.config import Params
-from splatflow.errors import UserError
-from splatflow import records
-from splatflow.paths import ScenePaths
+from splatflow.pipeline.config import Params
+from splatflow.pipeline.errors import UserError
+from splatflow.pipeline import records
+from splatflow.pipeline.paths import ScenePaths
 from splatflow.scene import colmap
 from splatflow.scene.ingest import ingest, reads_subfolders, write_image_folders
-from splatflow.stage import stage_main
+from splatflow.pipeline.stage import stage_main
 
 
 def source_path(params: Params, paths: ScenePaths) -> Path:

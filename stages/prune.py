@@ -3,20 +3,20 @@ prune in phases with a recovery fine-tune after each (LightGaussian's schedule; 
 
 Reads ``models/S/train/ckpt.pt`` and the training views; writes ``models/S/prune/ckpt.pt`` (splats and
 ``sh_degree`` only: the optimizer state of training is dropped) and returns the metrics dict that becomes
-``metrics/S/prune.json``. The work is :func:`splatflow.prune.run_prune`.
+``metrics/S/prune.json``. The work is :func:`splatflow.compress.prune.run_prune`.
 """
 
 from __future__ import annotations
 
-from splatflow.config import Params
-from splatflow.paths import ScenePaths
-from splatflow.stage import stage_main
+from splatflow.pipeline.config import Params
+from splatflow.pipeline.paths import ScenePaths
+from splatflow.pipeline.stage import stage_main
 from splatflow.tracking import step_logger
 
 
 def run(params: Params, paths: ScenePaths) -> dict:
     """Prune scene ``paths.scene``; write the pruned checkpoint; return the metrics."""
-    from splatflow.prune import run_prune
+    from splatflow.compress.prune import run_prune
     from splatflow.scene.resolution import describe, load_working_scene
 
     scene, resolution = load_working_scene(params, paths)  # the size and masks training used

@@ -1,15 +1,15 @@
 """DVC stage `report`: the scene's stage outputs -> ``reports/<scene>/index.html`` (one self-contained page).
 
-Thin shell: the page is built by :mod:`splatflow.report` (metrics, SfM summary, curves, test views and an embedded
+Thin shell: the page is built by :mod:`splatflow.present.report` (metrics, SfM summary, curves, test views and an embedded
 3D viewer of the exported splat); ``metrics/<scene>/report.json`` records its size and what the preview holds.
 """
 
 from __future__ import annotations
 
-from splatflow.config import Params
-from splatflow.paths import ScenePaths
-from splatflow.report import build_report
-from splatflow.stage import stage_main
+from splatflow.pipeline.config import Params
+from splatflow.pipeline.paths import ScenePaths
+from splatflow.present.report import build_report
+from splatflow.pipeline.stage import stage_main
 
 
 def run(params: Params, paths: ScenePaths) -> dict:

@@ -1,7 +1,7 @@
 """DVC stage `settings`: the scene's entry in params.yaml -> ``data/<scene>/settings/<stage>.json``, one per stage.
 
 The first stage of every scene; each later stage depends on its own file rather than on the whole entry, so a
-change of ``base.scenes.<scene>.params.export`` reruns export and report only (:mod:`splatflow.scene_settings`).
+change of ``base.scenes.<scene>.params.export`` reruns export and report only (:mod:`splatflow.pipeline.scene_settings`).
 It runs in every ``dvc repro`` (``always_changed``; its files are rewritten with the same bytes, so nothing after
 it reruns for that): the whole params.yaml is checked there (a bad key in a section the stages of this repro do
 not read still stops it), and so is the scene's source (a capture that is not there stops the repro before DVC
@@ -10,11 +10,11 @@ removes the ingest outputs).
 
 from __future__ import annotations
 
-from splatflow.config import Params
-from splatflow.errors import UserError
-from splatflow.paths import ScenePaths
-from splatflow.scene_settings import missing_source, write_settings
-from splatflow.stage import stage_main
+from splatflow.pipeline.config import Params
+from splatflow.pipeline.errors import UserError
+from splatflow.pipeline.paths import ScenePaths
+from splatflow.pipeline.scene_settings import missing_source, write_settings
+from splatflow.pipeline.stage import stage_main
 
 
 def run(params: Params, paths: ScenePaths) -> dict:

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from splatflow import records
-from splatflow.config import Params
-from splatflow.paths import ScenePaths
+from splatflow.pipeline import records
+from splatflow.pipeline.config import Params
+from splatflow.pipeline.paths import ScenePaths
 from splatflow.scene import colmap
 from splatflow.scene.ingest import read_image_folders
 from splatflow.scene.sfm import run_sfm
-from splatflow.stage import stage_main
+from splatflow.pipeline.stage import stage_main
 
 def _project_path(paths: ScenePaths, value: str) -> Path:
     """A path from params.yaml: relative paths are relative to the project root (where params.yaml is)."""

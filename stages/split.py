@@ -5,10 +5,10 @@ Thin shell: the rule and why it is the standard one live in :mod:`splatflow.scen
 
 from __future__ import annotations
 
-from splatflow.config import Params
-from splatflow.paths import ScenePaths
+from splatflow.pipeline.config import Params
+from splatflow.pipeline.paths import ScenePaths
 from splatflow.scene.split import write_split
-from splatflow.stage import stage_main
+from splatflow.pipeline.stage import stage_main
 
 
 def run(params: Params, paths: ScenePaths) -> dict:

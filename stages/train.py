@@ -7,19 +7,19 @@ Reads ``data/S/undistorted/`` and ``data/S/split.json``; writes ``models/S/train
 
 from __future__ import annotations
 
-from splatflow import stop
-from splatflow.config import Params
-from splatflow.errors import UserError
-from splatflow.paths import ScenePaths
-from splatflow.runtime_env import peak_rss_mb
-from splatflow.stage import stage_main
-from splatflow.stop import StageStopped
+from splatflow.pipeline import stop
+from splatflow.pipeline.config import Params
+from splatflow.pipeline.errors import UserError
+from splatflow.pipeline.paths import ScenePaths
+from splatflow.pipeline.runtime_env import peak_rss_mb
+from splatflow.pipeline.stage import stage_main
+from splatflow.pipeline.stop import StageStopped
 from splatflow.tracking import step_logger
 
 
 def run(params: Params, paths: ScenePaths) -> dict:
     """Train scene ``paths.scene``; write the checkpoint and CSV; return the metrics dict."""
-    from splatflow.device import resolve
+    from splatflow.pipeline.device import resolve
     from splatflow.scene.resolution import describe, load_working_scene
     from splatflow.train import Trainer
 
@@ -31,7 +31,7 @@ def run(params: Params, paths: ScenePaths) -> dict:
     scene, resolution = load_working_scene(params, paths)
     print(f"train [{paths.scene}]: {describe(resolution)}")
     cfg = params.train
-    from splatflow import live_view
+    from splatflow.present import live_view
 
     watchers = live_view.from_env(paths)  # `splatflow run --view`: the splat being trained in the browser
     try:

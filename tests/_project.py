@@ -156,8 +156,8 @@ def tracked_env(root: Path, **extra: str) -> dict:
 
 def stage_record(root: Path, scene: str, stage: str) -> dict:
     """A stage's whole result: the numbers of ``metrics/<scene>/<stage>.json`` and the texts, settings and lists of
-    ``metrics/<scene>/info/<stage>.json`` in one dict (:func:`splatflow.records.read`)."""
-    from splatflow import records
-    from splatflow.paths import ScenePaths
+    ``metrics/<scene>/info/<stage>.json`` in one dict (:func:`splatflow.pipeline.records.read`)."""
+    from splatflow.pipeline import records
+    from splatflow.pipeline.paths import ScenePaths
 
     return records.read(ScenePaths(scene, root), stage)

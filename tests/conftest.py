@@ -108,7 +108,7 @@ from tests._project import TINY_PARAMS as LOOK_PARAMS  # noqa: E402
 @pytest.fixture(scope="session")
 def reconstructed(tmp_path_factory):
     """A throw-away project whose scene ``tiny`` went through every DVC stage, report included (``dvc repro``)."""
-    from splatflow import webbundle
+    from splatflow.present import webbundle
     from tests._project import SHARED, dvc, make_project, shared_lock
 
     if not webbundle.is_current():

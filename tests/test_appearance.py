@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from splatflow.config import EvaluateConfig, TrainConfig
-from splatflow.evaluate import evaluate_scene
-from splatflow.model import Checkpoint, Splats, render_view
+from splatflow.pipeline.config import EvaluateConfig, TrainConfig
+from splatflow.evaluation.evaluate import evaluate_scene
+from splatflow.gaussians.model import Checkpoint, Splats, render_view
 from splatflow.scene.dataset import load_scene
 from splatflow.train import Trainer, train
 from splatflow.train.appearance import Appearance

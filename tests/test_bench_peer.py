@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def scene(tmp_path_factory):
-    from splatflow.config import ResolutionConfig, SplitConfig
+    from splatflow.pipeline.config import ResolutionConfig, SplitConfig
     from splatflow.scene.dataset import load_scene
     from splatflow.scene.resolution import apply_resolution
     from splatflow.scene.split import write_split

@@ -7,7 +7,7 @@ from typer.testing import CliRunner
 
 from splatflow.cli import app
 from splatflow.orchestrate.dvcrun import stage_order
-from splatflow.config import load_params
+from splatflow.pipeline.config import load_params
 from tests._project import stage_record
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,7 +50,7 @@ def test_add_scene_folder_keeps_comments_and_validates(project):
 def test_add_scene_video_and_bad_inputs(project):
     """A file is a video when OpenCV opens it and decodes a frame, as ingest will: a camera's .mts (and a video
     under a suffix no list has) is taken, and ingest reads the same file; a .mp4 that does not decode is not."""
-    from splatflow.config import IngestConfig
+    from splatflow.pipeline.config import IngestConfig
     from splatflow.scene.ingest import ingest
     from tests.test_ingest import _write_video
 
@@ -143,7 +143,8 @@ def test_user_errors_of_any_sub_app_are_one_message_and_exit_2(project, tmp_path
 def test_one_repo_root(tmp_path):
     """The CLI, the stages and tracking find the project the same way, also from DVC's temporary experiment
     workspaces (``.dvc/tmp/exps/<tmp>``, a full checkout), whose tracking store must be the repository's."""
-    from splatflow import paths, tracking
+    from splatflow import tracking
+    from splatflow.pipeline import paths
 
     assert tracking.repo_root is paths.repo_root
     exp = tmp_path / "repo" / ".dvc" / "tmp" / "exps" / "tmpabc"

@@ -17,9 +17,9 @@ import pytest
 
 pycolmap = pytest.importorskip("pycolmap")
 
-from splatflow.config import SfmConfig, params_from_dict  # noqa: E402
-from splatflow.errors import UserError  # noqa: E402
-from splatflow.paths import ScenePaths  # noqa: E402
+from splatflow.pipeline.config import SfmConfig, params_from_dict  # noqa: E402
+from splatflow.pipeline.errors import UserError  # noqa: E402
+from splatflow.pipeline.paths import ScenePaths  # noqa: E402
 from splatflow.scene.synthetic import write_scene  # noqa: E402
 
 from tests._colmap_data import (RIG_FOLDERS, write_dataset, write_rig_views,  # noqa: E402
@@ -49,7 +49,7 @@ def no_sfm(monkeypatch):
 def _run_stages(root: Path, dataset: Path, scene: dict | None = None, **sections) -> tuple[dict, dict, ScenePaths]:
     from stages import ingest as ingest_stage
     from stages import sfm as sfm_stage
-    from splatflow.stage import write_metrics
+    from splatflow.pipeline.stage import write_metrics
 
     entry = {"source": str(dataset), "colmap": "sparse/0", **(scene or {})}
     params = params_from_dict({"base": {"scenes": {"s": entry}}, **sections})
@@ -218,7 +218,7 @@ def test_add_scene_recognises_colmap_datasets(raw_scene, tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
     from splatflow.cli import app
-    from splatflow.config import load_params
+    from splatflow.pipeline.config import load_params
 
     repo = Path(__file__).resolve().parents[1]
     proj = tmp_path / "proj"
@@ -420,7 +420,7 @@ def test_training_handles_views_of_two_sizes(two_cameras):
 
     import torch
 
-    from splatflow.config import TrainConfig
+    from splatflow.pipeline.config import TrainConfig
     from splatflow.render import configure_threads, rasterize
     from splatflow.scene.dataset import load_scene
     from splatflow.train import train
@@ -448,7 +448,7 @@ def test_training_handles_views_of_two_sizes(two_cameras):
         assert rgb.shape[1:3] == gt.shape[:2] == (v.height, v.width)
         return float(-10 * torch.log10(((rgb[0].clamp(0, 1) - gt) ** 2).mean()))
 
-    from splatflow.model import init_splats
+    from splatflow.gaussians.model import init_splats
 
     init = init_splats(scene.points, scene.colors, sh_degree=1, init_opacity=cfg.init_opacity,
                        init_scale=cfg.init_scale)

@@ -9,7 +9,7 @@ from html.parser import HTMLParser
 import numpy as np
 from PIL import Image
 
-from splatflow.compare_html import write_compare_html
+from splatflow.present.compare_html import write_compare_html
 
 
 class _Imgs(HTMLParser):

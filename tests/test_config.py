@@ -2,7 +2,7 @@ import textwrap
 
 import pytest
 
-from splatflow.config import ConfigError, Params, load_params, params_from_dict
+from splatflow.pipeline.config import ConfigError, Params, load_params, params_from_dict
 
 
 def test_repo_params_load():

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from splatflow.config import Params, flatten, load_params, params_from_dict, section_dict
+from splatflow.pipeline.config import Params, flatten, load_params, params_from_dict, section_dict
 
 REPO = Path(__file__).resolve().parents[1]
 NO_DEFAULT = ("base.scenes",)  # the scenes are the project's own, not settings with a default
@@ -32,7 +32,7 @@ def differences(defaults: Params, given: Params) -> list[str]:
 
 def test_dataclass_defaults_equal_params_yaml():
     diff = differences(Params(), load_params(REPO / "params.yaml"))
-    assert not diff, ("splatflow/config.py and params.yaml disagree; change the two together (the dataclass "
+    assert not diff, ("splatflow/pipeline/config.py and params.yaml disagree; change the two together (the dataclass "
                       "default is what a library call without params.yaml uses):\n" + "\n".join(diff))
 
 

@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("pycolmap")
 
-from splatflow.errors import UserError
+from splatflow.pipeline.errors import UserError
 from splatflow.scene.dataset import load_scene
 from splatflow.scene.synthetic import write_scene
 

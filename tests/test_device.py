@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from splatflow.config import EvaluateConfig, PruneConfig, TrainConfig
-from splatflow.lpips import LpipsSet
-from splatflow.model import init_splats, load_checkpoint
+from splatflow.pipeline.config import EvaluateConfig, PruneConfig, TrainConfig
+from splatflow.evaluation.lpips import LpipsSet
+from splatflow.gaussians.model import init_splats, load_checkpoint
 from tests._tiny import write_tiny_scene
 
 
@@ -75,8 +75,8 @@ def test_training_allocates_only_on_the_run_device(scene, tmp_path, strict_defau
 
 
 def test_prune_and_evaluate_allocate_only_on_the_run_device(scene, tmp_path, strict_default_device):
-    from splatflow import prune, scoring
-    from splatflow.evaluate import evaluate
+    from splatflow.compress import prune, scoring
+    from splatflow.evaluation.evaluate import evaluate
     from splatflow.train import finetune
 
     cfg = _cfg("default", steps=30)
@@ -136,8 +136,8 @@ def test_checkpoints_hold_host_tensors_and_load_on_any_device(scene, tmp_path):
 
 
 def test_cuda_without_a_gpu_is_a_user_error():
-    from splatflow.device import resolve
-    from splatflow.errors import UserError
+    from splatflow.pipeline.device import resolve
+    from splatflow.pipeline.errors import UserError
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
@@ -211,7 +211,7 @@ def test_backend_cuda_without_a_gpu_stops_the_stage_like_any_user_error(tmp_path
 def test_gsplat_kernels_that_cannot_load_give_a_clear_error(monkeypatch):
     import types
 
-    from splatflow import device
+    from splatflow.pipeline import device
 
     fake = types.ModuleType("gsplat.cuda._backend")
     fake._C = None  # what gsplat leaves when its JIT build fails

@@ -20,9 +20,9 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-PLUMBING = {"splatflow/stage.py", "splatflow/tracking.py", "splatflow/paths.py", "splatflow/errors.py",
-            "splatflow/records.py", "splatflow/live_view.py",
-            "splatflow/stop.py", "splatflow/runtime_env.py", "splatflow/progress.py",
+PLUMBING = {"splatflow/pipeline/stage.py", "splatflow/tracking.py", "splatflow/pipeline/paths.py", "splatflow/pipeline/errors.py",
+            "splatflow/pipeline/records.py", "splatflow/present/live_view.py",
+            "splatflow/pipeline/stop.py", "splatflow/pipeline/runtime_env.py", "splatflow/pipeline/progress.py",
             *(f"splatflow/tracking/{p.name}" for p in (REPO / "splatflow" / "tracking").glob("*.py"))}
 #: What ``stage_main`` itself reads from params for every stage (seeding), and for stages that pin thread counts.
 SHELL_READS = {"base.seed", "base.scenes"}  # seeding, and the scene's own params overrides (Params.for_scene)
@@ -141,7 +141,7 @@ def test_stage_deps_list_every_imported_library_module(stage):
 # ------------------------------------------------------------------------------------------------- params
 
 
-#: Accessor methods of the params dataclasses and the keys each reads (splatflow/config.py).
+#: Accessor methods of the params dataclasses and the keys each reads (splatflow/pipeline/config.py).
 ACCESSORS = {"scene": {"base.scenes"}, "base.scene_resolution": {"base.resolution", "base.scenes"}}
 
 
@@ -238,9 +238,9 @@ def test_stage_declares_exactly_the_params_it_reads(stage):
 
 
 def test_the_analysis_sees_lazy_imports_and_transitive_modules():
-    """The checker itself: prune imports splatflow.prune inside run(), which imports metrics and the dataset."""
+    """The checker itself: prune imports splatflow.compress.prune inside run(), which imports metrics and the dataset."""
     files = transitive_files(REPO / "stages" / "prune.py")
-    assert "splatflow/prune.py" in files and "splatflow/metrics.py" in files
+    assert "splatflow/compress/prune.py" in files and "splatflow/evaluation/metrics.py" in files
     assert "splatflow/scene/dataset.py" in files
     assert not files & PLUMBING
     assert params_read(REPO / "stages" / "prune.py") >= {"prune", "train", "base.seed"}
@@ -248,9 +248,9 @@ def test_the_analysis_sees_lazy_imports_and_transitive_modules():
 
 def test_each_stage_gets_its_share_of_the_scene_entry():
     """A stage depends on data/<scene>/settings/<stage>.json, which holds the scene's overrides of exactly the
-    sections it declares (splatflow.scene_settings.STAGE_PARAMS), and not on the whole base.scenes.<scene>: a
+    sections it declares (splatflow.pipeline.scene_settings.STAGE_PARAMS), and not on the whole base.scenes.<scene>: a
     scene's own export settings must not rerun its SfM and training."""
-    from splatflow.scene_settings import STAGE_PARAMS
+    from splatflow.pipeline.scene_settings import STAGE_PARAMS
 
     stages = _stages()
     writes = [o if isinstance(o, str) else next(iter(o)) for o in stages["settings"]["do"]["outs"]]

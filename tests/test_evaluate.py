@@ -14,13 +14,13 @@ import pytest
 import torch
 from PIL import Image
 
-import splatflow.evaluate as ev
-from splatflow.config import params_from_dict
-from splatflow.lpips import BACKBONE_FILES, LPIPS, LpipsSet
-from splatflow.model import Splats, render_view, save_checkpoint
-from splatflow.paths import ScenePaths
+import splatflow.evaluation.evaluate as ev
+from splatflow.pipeline.config import params_from_dict
+from splatflow.evaluation.lpips import BACKBONE_FILES, LPIPS, LpipsSet
+from splatflow.gaussians.model import Splats, render_view, save_checkpoint
+from splatflow.pipeline.paths import ScenePaths
 from splatflow.scene.synthetic import write_colmap_text_model
-from splatflow.stage import write_metrics
+from splatflow.pipeline.stage import write_metrics
 from stages import evaluate as evaluate_stage
 from tests._project import stage_record
 
@@ -153,7 +153,7 @@ def test_memory_flat_across_many_views(tmp_path):
 
 
 def test_no_test_views_is_a_user_error(tmp_path):
-    from splatflow.errors import UserError
+    from splatflow.pipeline.errors import UserError
 
     cfg = params_from_dict({}).evaluate
     with pytest.raises(UserError, match="no test views"):

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from splatflow.config import Params, params_from_dict
-from splatflow.export import ExportVerificationError, compare, export_model, verify_ply
+from splatflow.pipeline.config import Params, params_from_dict
+from splatflow.present.export import ExportVerificationError, compare, export_model, verify_ply
 from splatflow.formats.common import as_numpy_splats
-from splatflow.model import save_checkpoint
-from splatflow.paths import ScenePaths
-from splatflow.stage import write_metrics
+from splatflow.gaussians.model import save_checkpoint
+from splatflow.pipeline.paths import ScenePaths
+from splatflow.pipeline.stage import write_metrics
 from stages import export as export_stage
 from tests._project import stage_record
 
@@ -70,7 +70,7 @@ def test_compare_counts_and_tolerances():
 
 
 def test_missing_checkpoint_is_a_user_error(tmp_path):
-    from splatflow.errors import UserError
+    from splatflow.pipeline.errors import UserError
 
     with pytest.raises(UserError, match="ckpt.pt"):
         export_stage.run(params_from_dict({}), ScenePaths("demo", tmp_path))
@@ -79,7 +79,7 @@ def test_missing_checkpoint_is_a_user_error(tmp_path):
 def test_exported_files_read_back_with_the_degree_the_model_was_trained_to(tmp_path):
     """A model trained 200 steps (active SH degree 0 of 3) exported as a PLY with the 45 f_rest columns zeroed above
     degree 0: the report and `splatflow view` called it "SH degree 3" while its .spz said 0."""
-    from splatflow.report import read_splat_file
+    from splatflow.present.report import read_splat_file
 
     g = torch.Generator().manual_seed(0)
     n = 50

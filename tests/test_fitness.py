@@ -42,7 +42,7 @@ def test_too_few_cameras_give_no_measure():
 
 
 def test_auto_mapping_is_global_past_the_exhaustive_limit_and_a_set_value_holds():
-    from splatflow.config import SfmConfig
+    from splatflow.pipeline.config import SfmConfig
     from splatflow.scene.sfm import choose_mapper
 
     cfg = SfmConfig()  # mapper auto, exhaustive_max_images 120

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from splatflow.formats import read_ply, read_splat, read_spz, write_ply, write_splat, write_spz
-from splatflow.sh import SH_C0
+from splatflow.gaussians.sh import SH_C0
 from splatflow.formats.spz import (pack_quats_smallest_three, unpack_quats_smallest_three)
 
 INRIA_DEG3 = (["x", "y", "z", "nx", "ny", "nz", "f_dc_0", "f_dc_1", "f_dc_2"]

@@ -17,9 +17,9 @@ import pytest
 from PIL import Image
 from skimage import data
 
-from splatflow.config import IngestConfig, params_from_dict
-from splatflow.errors import UserError
-from splatflow.paths import ScenePaths
+from splatflow.pipeline.config import IngestConfig, params_from_dict
+from splatflow.pipeline.errors import UserError
+from splatflow.pipeline.paths import ScenePaths
 from splatflow.scene.imagehash import correlation, hamming, phash, sharpness, thumbnail, to_gray_f32
 from splatflow.scene.ingest import ingest, neighbour_indices, output_names
 from splatflow.scene.video import window_bounds

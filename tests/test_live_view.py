@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from splatflow.config import TrainConfig
-from splatflow.errors import UserError
-from splatflow.live_view import LiveView, parse_address, parse_every
-from splatflow.model import SPLAT_KEYS
-from splatflow.report import CameraInfo
+from splatflow.pipeline.config import TrainConfig
+from splatflow.pipeline.errors import UserError
+from splatflow.present.live_view import LiveView, parse_address, parse_every
+from splatflow.gaussians.model import SPLAT_KEYS
+from splatflow.present.report import CameraInfo
 from splatflow.train import train
 from tests import _chromium
 from tests._tiny import write_tiny_scene

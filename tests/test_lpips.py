@@ -4,7 +4,7 @@ Equality test: the ``lpips`` package (installed with --no-deps) builds its trunk
 If a real torchvision imports here, it is used as is. PyPI's torchvision does not import beside our CPU torch
 ('operator torchvision::nms does not exist'), so otherwise the test registers a minimal stand-in
 ``torchvision.models`` module in ``sys.modules`` whose ``alexnet()`` / ``vgg16()`` return randomly initialised
-``features`` stacks with torchvision's layer layouts (written out below, independently of splatflow.lpips).
+``features`` stacks with torchvision's layer layouts (written out below, independently of splatflow.evaluation.lpips).
 
 What the stand-in run checks: everything the lpips package itself does on top of the trunk (its ScalingLayer
 constants, its slicing of the trunk into five taps, unit-normalisation, the v0.1 linear heads it loads from its
@@ -25,7 +25,7 @@ import pytest
 import torch
 from torch import nn
 
-from splatflow.lpips import (BACKBONE_FILES, LPIPS, LpipsSet, load_lpips, lpips_package_weights_dir)
+from splatflow.evaluation.lpips import (BACKBONE_FILES, LPIPS, LpipsSet, load_lpips, lpips_package_weights_dir)
 
 
 def _standin_alexnet_features():

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from splatflow.config import EvaluateConfig, TrainConfig, params_from_dict
-from splatflow.errors import UserError
+from splatflow.pipeline.config import EvaluateConfig, TrainConfig, params_from_dict
+from splatflow.pipeline.errors import UserError
 from splatflow.scene.dataset import SceneData, View
 from splatflow.scene.masks import ingest_masks, read_view_mask
 
@@ -160,7 +160,7 @@ def test_masked_pixels_get_no_gradient(tmp_path, ssim_lambda):
 
 def test_masked_pixels_left_out_of_the_metrics(tmp_path):
     """Test images equal to the renders except a corrupted block inside the masked (black) half."""
-    import splatflow.evaluate as ev
+    import splatflow.evaluation.evaluate as ev
     from tests.test_evaluate import build_scene
 
     paths, splats, test = build_scene(tmp_path / "p", n_views=8, test_every=4)
@@ -212,7 +212,7 @@ def test_add_scene_records_masks_and_downscale(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
     from splatflow.cli import app
-    from splatflow.config import load_params
+    from splatflow.pipeline.config import load_params
     from tests._project import REPO
 
     (tmp_path / "params.yaml").write_text((REPO / "params.yaml").read_text())

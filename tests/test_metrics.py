@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from splatflow.metrics import psnr, quantize_8bit, ssim
+from splatflow.evaluation.metrics import psnr, quantize_8bit, ssim
 
 
 def test_psnr_known_values_and_layouts():

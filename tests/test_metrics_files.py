@@ -10,8 +10,8 @@ import math
 import pytest
 import yaml
 
-from splatflow import records
-from splatflow.paths import ScenePaths
+from splatflow.pipeline import records
+from splatflow.pipeline.paths import ScenePaths
 from tests._project import REPO, dvc
 
 

@@ -1,4 +1,4 @@
-"""Gaussian initialisation from SfM points, scene scale and checkpoint I/O (splatflow.model)."""
+"""Gaussian initialisation from SfM points, scene scale and checkpoint I/O (splatflow.gaussians.model)."""
 
 import math
 
@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from splatflow.errors import UserError
-from splatflow.model import (SH_C0, SPLAT_KEYS, Checkpoint, Splats, init_splats, knn_mean_distance, load_checkpoint,
-                             load_splats, render_view, save_checkpoint, scene_scale)
+from splatflow.pipeline.errors import UserError
+from splatflow.gaussians.model import (SH_C0, SPLAT_KEYS, Checkpoint, Splats, init_splats, knn_mean_distance,
+                                       load_checkpoint, load_splats, render_view, save_checkpoint, scene_scale)
 
 
 def test_knn_mean_distance_matches_brute_force_across_chunks():
@@ -240,8 +240,8 @@ def test_checkpoint_errors_name_the_file(tmp_path):
 def test_a_missing_checkpoint_names_the_stage_and_scene_that_write_it(tmp_path):
     """export/evaluate read the PRUNE checkpoint and prune reads the train one: the hint names that stage for that
     scene only (`dvc repro train` would train every scene), from the path layout models/<scene>/<stage>/ckpt.pt."""
-    from splatflow.config import params_from_dict
-    from splatflow.paths import ScenePaths
+    from splatflow.pipeline.config import params_from_dict
+    from splatflow.pipeline.paths import ScenePaths
     from stages import export as export_stage
 
     paths = ScenePaths("garden", tmp_path)

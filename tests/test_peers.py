@@ -71,10 +71,10 @@ def test_the_peer_project_holds_the_training_views_only(scene, tmp_path):
 
 
 def test_a_peer_ply_scores_like_our_own_model(scene, tmp_path):
-    from splatflow.config import EvaluateConfig
-    from splatflow.evaluate import evaluate
+    from splatflow.pipeline.config import EvaluateConfig
+    from splatflow.evaluation.evaluate import evaluate
     from splatflow.formats.ply import write_ply
-    from splatflow.model import Splats, init_splats
+    from splatflow.gaussians.model import Splats, init_splats
 
     splats = Splats.of(init_splats(scene.points, scene.colors, sh_degree=1, init_opacity=0.5, init_scale=1.0))
     write_ply(tmp_path / "m.ply", {k: v.numpy() for k, v in splats.items()}, sh_degree=1)

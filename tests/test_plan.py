@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from splatflow.config import ConfigError, TrainConfig, load_params, params_from_dict
+from splatflow.pipeline.config import ConfigError, TrainConfig, load_params, params_from_dict
 from splatflow.train import Trainer, plan
 from splatflow.train.strategies import BudgetedDefaultStrategy
 from tests._tiny import write_tiny_scene
@@ -115,7 +115,7 @@ def test_a_cuda_run_reads_its_card_memory_for_the_plan(monkeypatch):
 
     import torch
 
-    from splatflow.device import gpu_memory_gib as _gpu_memory_gib
+    from splatflow.pipeline.device import gpu_memory_gib as _gpu_memory_gib
 
     calls = []
 

@@ -71,7 +71,7 @@ import json, sys
 from dataclasses import replace
 from pathlib import Path
 import numba
-from splatflow.config import PruneDuringConfig, TrainConfig
+from splatflow.pipeline.config import PruneDuringConfig, TrainConfig
 from splatflow.scene.dataset import load_scene
 from splatflow.train import Trainer
 from tests._tiny import write_tiny_scene
@@ -114,7 +114,7 @@ def test_a_training_run_after_precompile_compiles_nothing_itself(tmp_path):
 
 
 def test_a_cpu_run_compiles_first_and_reports_the_seconds(monkeypatch, tmp_path):
-    from splatflow.config import PruneDuringConfig, TrainConfig
+    from splatflow.pipeline.config import PruneDuringConfig, TrainConfig
     from splatflow.scene.dataset import load_scene
     from splatflow.train import Trainer
     from tests._tiny import write_tiny_scene

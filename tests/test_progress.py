@@ -8,7 +8,7 @@ import sys
 
 from tqdm import tqdm
 
-from splatflow.progress import LineProgress
+from splatflow.pipeline.progress import LineProgress
 
 
 def test_a_bar_in_a_log_is_a_few_lines_ending_with_its_last_frame():
@@ -25,7 +25,7 @@ def test_a_bar_in_a_log_is_a_few_lines_ending_with_its_last_frame():
 
 
 def test_a_stage_writes_lines_when_its_output_is_captured():
-    code = ("from splatflow.progress import install_for_logs; install_for_logs(0.0); import sys\n"
+    code = ("from splatflow.pipeline.progress import install_for_logs; install_for_logs(0.0); import sys\n"
             "from tqdm import tqdm\n"
             "for _ in tqdm(range(50), desc='evaluate', mininterval=0, miniters=1): pass\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from splatflow import prune, scoring
-from splatflow.config import PruneConfig, TrainConfig
-from splatflow.model import Splats, load_checkpoint, load_splats, render_view, save_checkpoint
+from splatflow.compress import prune, scoring
+from splatflow.pipeline.config import PruneConfig, TrainConfig
+from splatflow.gaussians.model import Splats, load_checkpoint, load_splats, render_view, save_checkpoint
 from splatflow.render.projection import project_gaussians
 from tests._project import stage_record
 
@@ -251,7 +251,7 @@ def test_rescoring_rounds_keep_one_of_a_redundant_pair():
 def test_recovery_position_learning_rate(scene_files):
     """``means_lr_factor`` sets the recovery's position rate: Adam's first step moves each mean by about the
     rate (x scene scale); the default is training's final rate, 30x smaller than prune's 0.3."""
-    from splatflow.model import scene_scale
+    from splatflow.gaussians.model import scene_scale
     from splatflow.train import finetune
 
     cfg = TrainConfig(backend=BACKEND, image_cache_mb=16)
@@ -395,7 +395,7 @@ def test_stage_main_writes_checkpoint_and_metrics(scene_files, tmp_path):
 
     import yaml
 
-    from splatflow.paths import ScenePaths
+    from splatflow.pipeline.paths import ScenePaths
     from splatflow.scene.synthetic import write_colmap_text_model
     from stages import prune as stage
 

@@ -11,9 +11,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from splatflow.config import ConfigError, PruneDuringConfig, TrainConfig, params_from_dict
-from splatflow.errors import UserError
-from splatflow.model import SPLAT_KEYS, load_checkpoint
+from splatflow.pipeline.config import ConfigError, PruneDuringConfig, TrainConfig, params_from_dict
+from splatflow.pipeline.errors import UserError
+from splatflow.gaussians.model import SPLAT_KEYS, load_checkpoint
 from splatflow.render import configure_threads
 from splatflow.train import Trainer
 from splatflow.train import prune_during as pd
@@ -166,8 +166,8 @@ def test_resume_mid_pruning_matches_an_uninterrupted_run(scene, tmp_path):
 
 
 def test_prune_stage_verifies_and_copies_a_model_pruned_in_training(scene, tmp_path):
-    from splatflow.config import PruneConfig
-    from splatflow.prune import run_prune
+    from splatflow.pipeline.config import PruneConfig
+    from splatflow.compress.prune import run_prune
 
     ck = tmp_path / "train.pt"
     res = Trainer(scene, _cfg(), seed=0, ckpt_path=ck).run()

@@ -550,7 +550,7 @@ def test_a_dvc_experiment_copy_uses_its_repos_kernel_cache(tmp_path):
     from numba.core import caching
 
     import splatflow.render._kernels as K
-    from splatflow.runtime_env import _kernel_cache_dir
+    from splatflow.pipeline.runtime_env import _kernel_cache_dir
 
     real_render = Path(K.__file__).resolve().parent
     repo = tmp_path / "repo"

@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from splatflow.paths import ScenePaths
-from splatflow.report import BACKGROUND, preview_subset
+from splatflow.pipeline.paths import ScenePaths
+from splatflow.present.report import BACKGROUND, preview_subset
 from tests import _chromium
 from tests._project import stage_record
 
@@ -176,8 +176,8 @@ def test_preview_keeps_the_most_important_gaussians():
 
 
 def test_missing_viewer_script_names_the_command(tmp_path, monkeypatch):
-    from splatflow import report, webbundle
-    from splatflow.errors import UserError
+    from splatflow.present import report, webbundle
+    from splatflow.pipeline.errors import UserError
 
     monkeypatch.setattr(webbundle, "bundle_path", lambda: tmp_path / "missing.js")
     with pytest.raises(UserError, match="make web"):
@@ -190,7 +190,7 @@ def test_training_plot_phases_of_a_capture_with_two_image_sizes():
     row (17 "phases" for 5). Phases follow the `phase` column; a phase's label lists its sizes."""
     import pandas as pd
 
-    from splatflow.report import resolution_phases
+    from splatflow.present.report import resolution_phases
 
     rows = [(10, 0, "80x60"), (20, 1, "80x60"), (30, 1, "160x120"), (40, 2, "160x120"), (50, 2, "320x240"),
             (60, 2, "160x120"), (70, 2, "320x240"), (80, 3, "239x179"), (90, 3, "239x179"), (100, 3, "479x359"),
@@ -209,8 +209,8 @@ def test_error_map_scale_reads_as_the_maps_colours():
 
     import torch
 
-    from splatflow.evaluate import error_heatmap
-    from splatflow.report import CSS, error_scale_html
+    from splatflow.evaluation.evaluate import error_heatmap
+    from splatflow.present.report import CSS, error_scale_html
 
     gain = 4.0
     legend = error_scale_html(gain)

@@ -7,7 +7,7 @@ import cv2
 import numpy as np
 import pytest
 
-from splatflow.config import ConfigError, ResolutionConfig, params_from_dict
+from splatflow.pipeline.config import ConfigError, ResolutionConfig, params_from_dict
 from splatflow.scene.dataset import SceneData, View, load_scene
 from splatflow.scene.resolution import apply_resolution, read_view_rgb, target_size
 from splatflow.scene.images import ImageCache
@@ -200,7 +200,7 @@ def test_wrong_file_size_is_a_clear_error(tmp_path):
 
 def test_evaluate_json_states_resolution_source_and_8bit(tmp_path):
     """The evaluate stage at downscale 2 on a scene whose full-size (96x72) test images are renders of the model."""
-    from splatflow.stage import write_metrics
+    from splatflow.pipeline.stage import write_metrics
     from stages import evaluate as evaluate_stage
     from tests.test_evaluate import build_scene
 

@@ -8,7 +8,7 @@ import numpy as np
 import pycolmap
 import pytest
 
-from splatflow.config import params_from_dict
+from splatflow.pipeline.config import params_from_dict
 from splatflow.scene.resolution import load_working_scene, read_view_rgb
 from splatflow.scene.synthetic import write_scene
 from tests._colmap_data import write_dataset
@@ -24,9 +24,9 @@ def raw_scene(tmp_path_factory):
 
 
 def _stages(root, dataset, scene_extra=None, resolution=None):
-    from splatflow.paths import ScenePaths
+    from splatflow.pipeline.paths import ScenePaths
     from splatflow.scene.split import write_split
-    from splatflow.stage import write_metrics
+    from splatflow.pipeline.stage import write_metrics
     from stages import ingest as ingest_stage
     from stages import sfm as sfm_stage
 

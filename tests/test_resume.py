@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from splatflow.model import SPLAT_KEYS
+from splatflow.gaussians.model import SPLAT_KEYS
 from tests._project import drill_project, run, stage_record, tracked_env
 
 pytestmark = pytest.mark.slow  # runs the pipeline through DVC

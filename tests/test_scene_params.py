@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from splatflow.config import ConfigError, load_params, params_from_dict
+from splatflow.pipeline.config import ConfigError, load_params, params_from_dict
 from tests._project import BIN, TINY_SCENE, dvc, make_project, project_env, run
 
 pytestmark = pytest.mark.slow  # runs the pipeline through DVC

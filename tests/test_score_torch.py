@@ -105,8 +105,8 @@ def test_torch_removal_cost_allocates_on_its_inputs_device_only():
 def test_prune_scores_a_model_on_its_own_device():
     """``prune.removal_scores`` keeps the model where it is and scores it there: CPU splats on the CPU kernels
     (unchanged results), the torch scorer wherever else (checked on the CPU through the same function)."""
-    from splatflow import prune
-    from splatflow.model import Splats
+    from splatflow.compress import prune
+    from splatflow.gaussians.model import Splats
 
     (means, quats, scales, opac, (sh0, shN), viewmats, Ks), target = _scene(seed=9, n=400)
     splats = Splats(means, quats, torch.log(scales), torch.logit(opac.clamp(1e-4, 1 - 1e-4)), sh0, shN)

@@ -9,9 +9,9 @@ import pytest
 
 pycolmap = pytest.importorskip("pycolmap")
 
-from splatflow.config import SfmConfig, load_params
-from splatflow.errors import UserError
-from splatflow.paths import ScenePaths
+from splatflow.pipeline.config import SfmConfig, load_params
+from splatflow.pipeline.errors import UserError
+from splatflow.pipeline.paths import ScenePaths
 from splatflow.scene.groundtruth import camera_error, read_ground_truth, umeyama
 from splatflow.scene.sfm import choose_matcher, run_sfm
 from splatflow.scene.synthetic import write_scene
@@ -77,7 +77,7 @@ def test_outputs_are_binary_model_and_pinhole_undistorted_images(synthetic_sfm):
 
 
 def test_split_stage_on_sfm_output(synthetic_sfm):
-    from splatflow.config import Params
+    from splatflow.pipeline.config import Params
     from stages import split as split_stage
 
     paths, _ = synthetic_sfm
@@ -154,7 +154,7 @@ def test_matcher_choice():
 
 def test_abort_prone_features_are_not_reachable_from_params():
     """Vocab-tree matching, loop detection and ALIKED abort pycolmap offline: params must not be able to ask."""
-    from splatflow.config import ConfigError, params_from_dict
+    from splatflow.pipeline.config import ConfigError, params_from_dict
 
     for key, value in [("matcher", "vocab_tree"), ("feature_type", "ALIKED"), ("loop_detection", True),
                        ("vocab_tree_path", "/tmp/tree.bin")]:

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from splatflow.model import SPLAT_KEYS
+from splatflow.gaussians.model import SPLAT_KEYS
 from splatflow.render import configure_threads
 from splatflow.render.constants import ALPHA_MIN
 from splatflow.train import Trainer, optim

@@ -8,7 +8,7 @@ The scene is the synthetic room at 96x72 with its true cameras (as tests/test_tr
 import pytest
 import torch
 
-from splatflow.model import Splats
+from splatflow.gaussians.model import Splats
 from splatflow.render import configure_threads
 from splatflow.train import Trainer
 from splatflow.train.rows import morton_codes, spatial_order

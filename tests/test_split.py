@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from splatflow.config import SplitConfig
-from splatflow.errors import UserError
+from splatflow.pipeline.config import SplitConfig
+from splatflow.pipeline.errors import UserError
 from splatflow.scene.split import split_names, write_split
 
 
@@ -80,7 +80,7 @@ def test_unknown_or_all_test_names_are_clear_errors():
 
 
 def test_test_names_are_validated_by_the_config_loader():
-    from splatflow.config import ConfigError, params_from_dict
+    from splatflow.pipeline.config import ConfigError, params_from_dict
 
     p = params_from_dict({"split": {"test_names": ["0005.jpg"]}})
     assert p.split.test_names == ("0005.jpg",)

@@ -5,7 +5,7 @@ deferred rows up to date first, and the state's state_dict round-trips."""
 import pytest
 import torch
 
-from splatflow.model import SPLAT_KEYS
+from splatflow.gaussians.model import SPLAT_KEYS
 from splatflow.train.rows import spatial_order
 from splatflow.train.state import GaussianState
 

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from splatflow.config import TrainConfig, params_from_dict
-from splatflow.model import Splats, init_splats, load_checkpoint, load_splats, render_view
+from splatflow.pipeline.config import TrainConfig, params_from_dict
+from splatflow.gaussians.model import Splats, init_splats, load_checkpoint, load_splats, render_view
 from splatflow.render import configure_threads
 from splatflow.train import GradientHealthError, Trainer, finetune, photometric_loss, train
 from splatflow.train.guards import DeferredChecks, StepChecks
@@ -230,7 +230,7 @@ def test_deferred_checks_train_the_same_model_with_numbers_in_the_rows(scene, tm
 SIGTERM_SCRIPT = """
 import sys
 from dataclasses import replace
-from splatflow.config import TrainConfig
+from splatflow.pipeline.config import TrainConfig
 from splatflow.render import configure_threads
 from splatflow.scene.dataset import load_scene
 from splatflow.train import train
@@ -280,7 +280,7 @@ def test_finetune_improves_a_perturbed_model_without_densifying(scene):
 def test_train_stage_writes_contract_outputs(scene_dir, tmp_path):
     import shutil
 
-    from splatflow.paths import ScenePaths
+    from splatflow.pipeline.paths import ScenePaths
     from stages.train import run
 
     paths = ScenePaths("tiny", tmp_path)
@@ -349,7 +349,7 @@ def test_coarse_levels_train_on_larger_windows(scene):
     """``train.patch_level_exponent``: a level at factor f < 1 gets windows of patch_max_pixels / f^exponent (whole
     images once that covers the level), full resolution keeps patch_max_pixels, 0 keeps it everywhere, and a bad
     exponent is rejected naming the key."""
-    from splatflow.config import ConfigError, params_from_dict
+    from splatflow.pipeline.config import ConfigError, params_from_dict
     from splatflow.train.windows import level_budget
 
     assert level_budget(60000, 1.0, 1.0) == 60000 and level_budget(60000, 0.75, 1.0) == 80000
@@ -373,7 +373,7 @@ def test_auto_windows_are_the_cpu_budget_and_whole_images_on_cuda(scene):
     """``train.patch_max_pixels: auto`` (the default) = CPU_WINDOW_PIXELS-pixel windows on the CPU backend and whole
     images on CUDA, whose step is launch-bound (bench/RESULTS.md "GPU path"); an integer means the same on every
     backend; anything else is rejected naming the key. The trainer keeps what it resolved for its backend."""
-    from splatflow.config import CPU_WINDOW_PIXELS, ConfigError, load_params
+    from splatflow.pipeline.config import CPU_WINDOW_PIXELS, ConfigError, load_params
 
     auto = params_from_dict({}).train
     assert auto.patch_max_pixels == "auto" and load_params(ROOT / "params.yaml").train.patch_max_pixels == "auto"
@@ -466,7 +466,7 @@ def test_a_run_draws_only_from_its_own_generators(scene, tmp_path):
 def test_resume_from_a_checkpoint_with_global_rng_states(scene, tmp_path):
     """Checkpoints written when the trainer seeded the global generators hold their states (and numpy's, which
     training never drew from): such a file resumes into the run's own generators with the same result."""
-    from splatflow.model import Checkpoint
+    from splatflow.gaussians.model import Checkpoint
 
     cfg = small_cfg(30, checkpoint_every=1000)
     cfg = replace(cfg, densify=replace(cfg.densify, refine_every=8, refine_start_fraction=0.1))

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from splatflow.config import ConfigError, TrainConfig, params_from_dict
+from splatflow.pipeline.config import ConfigError, TrainConfig, params_from_dict
 from splatflow.scene.cameras import scale_intrinsics
 from splatflow.scene.images import ImageCache
 from splatflow.render.blur import gaussian_blur

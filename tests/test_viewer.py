@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from splatflow.errors import UserError
+from splatflow.pipeline.errors import UserError
 from tests import _chromium
 from tests._project import REPO, project_env
 
@@ -101,7 +101,7 @@ def test_view_serves_the_splat_and_stops_on_sigint(reconstructed, tmp_path):
 
 
 def test_view_without_a_model_names_the_stage(tmp_path):
-    from splatflow.viewer import load_target
+    from splatflow.present.viewer import load_target
 
     (tmp_path / "params.yaml").write_text((REPO / "params.yaml").read_text())
     (tmp_path / "dvc.yaml").write_text((REPO / "dvc.yaml").read_text())
@@ -124,7 +124,7 @@ def test_view_cli_reports_the_error_and_exits_2(tmp_path):
 
 
 def test_sh_colors_follow_the_view_direction():
-    from splatflow.viewer import sh_colors
+    from splatflow.present.viewer import sh_colors
 
     n = 4
     s = {"means": np.zeros((n, 3), np.float32), "sh0": np.zeros((n, 1, 3), np.float32),
@@ -148,7 +148,7 @@ def _ply_splats(n: int) -> dict[str, np.ndarray]:
 
 def test_view_of_a_ply_with_zero_gaussians_names_the_file(tmp_path):
     from splatflow.formats.ply import write_ply
-    from splatflow.viewer import load_target
+    from splatflow.present.viewer import load_target
 
     ply = write_ply(tmp_path / "empty.ply", _ply_splats(0))
     assert b"element vertex 0" in ply.read_bytes()  # a valid Inria PLY, just empty
@@ -165,7 +165,7 @@ def test_view_of_a_ply_with_zero_gaussians_names_the_file(tmp_path):
 
 def test_view_of_a_ply_with_nan_gaussians_counts_them(tmp_path):
     from splatflow.formats.ply import write_ply
-    from splatflow.viewer import load_target
+    from splatflow.present.viewer import load_target
 
     s = _ply_splats(10)
     s["means"][2, 0] = np.nan

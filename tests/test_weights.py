@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from splatflow import weights
+from splatflow.evaluation import weights
 from splatflow.cli import app
-from splatflow.errors import UserError
-from splatflow.lpips import BACKBONE_FILES, LpipsSet
+from splatflow.pipeline.errors import UserError
+from splatflow.evaluation.lpips import BACKBONE_FILES, LpipsSet
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from splatflow.formats.common import as_numpy_splats, logit, normalize_quats, sigmoid, splats_to_torch
-from splatflow.sh import SH_C0
+from splatflow.gaussians.sh import SH_C0
 
 SPLAT_DTYPE = np.dtype([("pos", "<f4", 3), ("scale", "<f4", 3), ("rgba", "u1", 4), ("rot", "u1", 4)])
 assert SPLAT_DTYPE.itemsize == 32

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, TextIO
 
-from splatflow.errors import UserError
-from splatflow.scene_settings import missing_source
+from splatflow.pipeline.errors import UserError
+from splatflow.pipeline.scene_settings import missing_source
 
 VENV_BIN = Path(sys.executable).parent
 #: DVC's message when another dvc process holds the workspace lock: the one failure a retry can fix.
@@ -33,7 +33,7 @@ KILL_GRACE_S = 10.0
 
 #: The stage's own exit status in DVC's ``failed to run: python -m stages.x S, exited with N`` (DVC itself exits 255).
 _STAGE_STATUS = re.compile(r"exited with (-?\d+)")
-#: The one-paragraph message of a stage that stopped on a bad input (``splatflow.stage.stage_main``).
+#: The one-paragraph message of a stage that stopped on a bad input (``splatflow.pipeline.stage.stage_main``).
 _STAGE_MESSAGE = re.compile(r"^splatflow \S+ \[[^\]]*\] failed: .*$", re.MULTILINE)
 
 

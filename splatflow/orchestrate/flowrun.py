@@ -2,7 +2,7 @@
 
 The scenes run one after another in this process, in place (the caller holds the workspace lock, which the flow
 takes again re-entrantly), each as one ``reconstruct`` flow run with one task per DVC stage, against the Prefect
-server of ``PREFECT_API_URL`` (``splatflow ui``'s, found by :func:`splatflow.ops_cli._use_local_prefect_server`)
+server of ``PREFECT_API_URL`` (``splatflow ui``'s, found by :func:`splatflow.cli.ops._use_local_prefect_server`)
 or else Prefect's ephemeral API, whose runs land in the local Prefect database that ``splatflow ui`` serves later.
 
 The terminal keeps what ``splatflow run`` always showed: DVC's and the stages' own output as it comes (the flow's

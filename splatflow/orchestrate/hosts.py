@@ -43,7 +43,7 @@ from typing import Any, Callable, Optional
 import yaml
 
 from splatflow import tracking
-from splatflow.errors import UserError
+from splatflow.pipeline.errors import UserError
 from splatflow.orchestrate import dvcrun
 from splatflow.orchestrate.workspace import workspace_lock
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from splatflow.errors import UserError
+from splatflow.pipeline.errors import UserError
 from splatflow.orchestrate.servers import port_in_use
 
 ROLE = "splatflow"

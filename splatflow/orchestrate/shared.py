@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Optional
 
 from splatflow.orchestrate import postgres, servers
-from splatflow.errors import UserError
+from splatflow.pipeline.errors import UserError
 
 VARIABLES = {"MLFLOW_TRACKING_URI": "splatflow_mlflow_uri", "SPLATFLOW_DVC_REMOTE": "splatflow_dvc_remote"}
 

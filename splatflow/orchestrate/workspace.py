@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator
 
 import yaml
 
-from splatflow.errors import UserError
+from splatflow.pipeline.errors import UserError
 
 
 class WorkspaceError(UserError):

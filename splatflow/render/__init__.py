@@ -18,7 +18,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from splatflow.errors import UserError
+from splatflow.pipeline.errors import UserError
 
 from ._numba_cache import install as _install_cache_locator
 

@@ -28,8 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from splatflow.config import BaseConfig, IngestConfig, SfmConfig
-from splatflow.errors import UserError
+from splatflow.pipeline.config import BaseConfig, IngestConfig, SfmConfig
+from splatflow.pipeline.errors import UserError
 from splatflow.scene.groundtruth import read_ground_truth
 from splatflow.scene.ingest import _Reject, _save, open_image, output_names
 from splatflow.scene.notes import write_empty_note

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from splatflow.errors import UserError
+from splatflow.pipeline.errors import UserError
 
 __all__ = ["View", "SceneData", "load_scene", "find_model_dir", "read_split"]
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from splatflow.errors import UserError
+from splatflow.pipeline.errors import UserError
 from splatflow.scene.cameras import camera_centers
 
 __all__ = ["GroundTruthCamera", "read_ground_truth", "umeyama", "CameraError", "camera_error"]

@@ -53,8 +53,8 @@ import numpy as np
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 from tqdm import tqdm
 
-from splatflow.config import IngestConfig
-from splatflow.errors import UserError
+from splatflow.pipeline.config import IngestConfig
+from splatflow.pipeline.errors import UserError
 from splatflow.scene.imagehash import (correlation, hamming_to_many, phash, resize_to_width, sharpness, thumbnail,
                                       to_gray_f32)
 from splatflow.scene.pixels import IMAGE_FILE_SUFFIXES  # noqa: F401 - also part of this module's interface

@@ -20,7 +20,7 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from splatflow.errors import UserError
+from splatflow.pipeline.errors import UserError
 from splatflow.scene.cameras import scale_intrinsics
 from splatflow.scene.dataset import find_model_dir
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from splatflow.errors import UserError
+from splatflow.pipeline.errors import UserError
 
 # Still-image files a capture folder may hold (ingest reads them; a video source must not be one of them)
 IMAGE_FILE_SUFFIXES = {".jpg", ".jpeg", ".png", ".tif", ".tiff", ".bmp", ".webp", ".heic", ".heif"}

@@ -4,7 +4,7 @@ Published novel-view-synthesis numbers are computed at a stated resolution: Mip-
 dataset's ``images_4`` level, indoor ones on ``images_2``, and the reference 3DGS code brings any image wider
 than 1600 px down to 1600 px unless told otherwise. A real capture (3072x2048 photos, 4K video) would also be
 far too slow to train at full size on a CPU. :func:`apply_resolution` turns the full-size undistorted views of
-the sfm stage into views at the configured size (:class:`splatflow.config.ResolutionConfig`):
+the sfm stage into views at the configured size (:class:`splatflow.pipeline.config.ResolutionConfig`):
 
 * ``downscale: N`` uses the dataset's own ``data/S/images_N/`` (copied by ingest from a dataset that ships it,
   same file names as ``images/``) when every view has one there AND the sfm stage did not have to undistort the
@@ -30,8 +30,8 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from splatflow.config import ResolutionConfig
-from splatflow.errors import UserError
+from splatflow.pipeline.config import ResolutionConfig
+from splatflow.pipeline.errors import UserError
 from splatflow.scene.cameras import scale_intrinsics
 from splatflow.scene.dataset import find_model_dir, load_scene
 from splatflow.scene.masks import attach_masks

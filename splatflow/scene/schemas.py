@@ -13,7 +13,7 @@ import pandas as pd
 import pandera.pandas as pa
 from pandera.errors import SchemaError, SchemaErrors
 
-from splatflow.errors import UserError
+from splatflow.pipeline.errors import UserError
 
 __all__ = ["CAMERAS", "IMAGES", "POINTS", "reconstruction_tables", "validate_reconstruction"]
 

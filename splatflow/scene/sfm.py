@@ -47,8 +47,8 @@ from pathlib import Path
 
 import numpy as np
 
-from splatflow.config import BaseConfig, SfmConfig
-from splatflow.errors import UserError
+from splatflow.pipeline.config import BaseConfig, SfmConfig
+from splatflow.pipeline.errors import UserError
 from splatflow.scene.fitness import fitness_warning, model_fitness
 from splatflow.scene.groundtruth import camera_error, read_ground_truth
 from splatflow.scene.schemas import validate_reconstruction

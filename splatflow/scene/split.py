@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from splatflow.config import SplitConfig
-from splatflow.errors import UserError
+from splatflow.pipeline.config import SplitConfig
+from splatflow.pipeline.errors import UserError
 from splatflow.scene.dataset import load_scene
 
 __all__ = ["split_names", "registered_names", "write_split"]

@@ -22,7 +22,7 @@ import cv2
 import numpy as np
 from tqdm import tqdm
 
-from splatflow.errors import UserError
+from splatflow.pipeline.errors import UserError
 from splatflow.scene.imagehash import sharpness
 from splatflow.scene.pixels import IMAGE_FILE_SUFFIXES
 

@@ -37,7 +37,7 @@ The package, by concern (every public name is importable from ``splatflow.tracki
   owns (:func:`scene_run`, :func:`batch_run`), a scene's earlier finished run, :func:`reap`.
 * :mod:`~splatflow.tracking.compare` -- runs side by side: run ids from what a user types, headline metrics first.
 * :mod:`~splatflow.tracking.stage` -- the stage tracker (:func:`stage_tracking`), this process's one SIGTERM
-  owner through :mod:`splatflow.stop`.
+  owner through :mod:`splatflow.pipeline.stop`.
 * :mod:`~splatflow.tracking.steps` -- live step metrics (:func:`step_logger`).
 
 The flows and the CLI use only these public names.

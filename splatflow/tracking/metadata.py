@@ -17,10 +17,10 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterable
 
-from splatflow import records
-from splatflow.config import flatten, params_from_dict, section_dict
+from splatflow.pipeline import records
+from splatflow.pipeline.config import flatten, params_from_dict, section_dict
 from splatflow.orchestrate.plots import render_csv_png
-from splatflow.paths import ScenePaths
+from splatflow.pipeline.paths import ScenePaths
 
 #: not: they live in the DVC cache and would double the artifact store).
 ARTIFACT_SUFFIXES = {".ply", ".splat", ".spz", ".json", ".csv", ".png", ".jpg", ".jpeg", ".html", ".md", ".txt",
@@ -126,7 +126,7 @@ def backend_tags(params: Any) -> dict[str, str]:
 
 def device_tags(stage: str, metrics: dict) -> dict[str, str]:
     """``<stage>.backend``, ``<stage>.device_name``, ``<stage>.torch``, ... from a stage's ``device`` record
-    (:func:`splatflow.device.run_record`): the backend and versions that actually ran."""
+    (:func:`splatflow.pipeline.device.run_record`): the backend and versions that actually ran."""
     rec = (metrics or {}).get("device")
     if not isinstance(rec, dict):
         return {}

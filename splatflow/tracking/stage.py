@@ -1,6 +1,6 @@
 """The stage tracker: what a DVC stage process holds while it runs, and the one owner of its SIGTERM.
 
-:func:`stage_tracking` wraps a stage's work (``stage_main`` calls it): it installs :mod:`splatflow.stop`'s SIGTERM
+:func:`stage_tracking` wraps a stage's work (``stage_main`` calls it): it installs :mod:`splatflow.pipeline.stop`'s SIGTERM
 handler before anything slow, attaches to (or creates) the scene run, and on exit records how the stage ended --
 FINISHED, FAILED with the error, or KILLED when it was stopped (SIGTERM, Ctrl-C), whatever exception the stop
 surfaced as.
@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from splatflow import records, stop
+from splatflow.pipeline import records, stop
 from splatflow.tracking import steps
 from splatflow.tracking.metadata import (artifact_files, backend_tags, device_tags, dvc_lock_tags, flatten_params,
                                          log_files, log_train_plot, numeric_metrics, process_tags, stage_sections)
@@ -163,7 +163,7 @@ def stage_tracking(stage: str, scene: str, params: Any = None, paths: Any = None
     stage, which runs in every repro) makes the same checks and opens no run.
     """
     root = Path(getattr(paths, "root", None) or repo_root()).resolve()
-    # This process's one SIGTERM owner (splatflow.stop), installed before anything that may take a while, so a
+    # This process's one SIGTERM owner (splatflow.pipeline.stop), installed before anything that may take a while, so a
     # SIGTERM while the run is being opened is recorded too; opening is not interrupted half-way.
     prev_handler = stop.install()
     try:

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from splatflow.orchestrate.servers import MLFLOW_PORT
-from splatflow.errors import UserError
+from splatflow.pipeline.errors import UserError
 
 DEFAULT_EXPERIMENT = "splatflow"
 
@@ -61,7 +61,7 @@ def enabled() -> bool:
 
 
 # One way to find the project root (seen through DVC's temporary experiment workspaces): splatflow.paths.
-from splatflow.paths import repo_root  # noqa: E402,F401
+from splatflow.pipeline.paths import repo_root  # noqa: E402,F401
 
 
 def tracking_uri(root: str | Path | None = None) -> str:

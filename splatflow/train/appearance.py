@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from splatflow.config import AppearanceConfig
+from splatflow.pipeline.config import AppearanceConfig
 from splatflow.train.hooks import Policy
 from splatflow.train.state import GaussianState
 

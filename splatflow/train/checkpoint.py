@@ -1,4 +1,4 @@
-"""A training run's checkpoint: what an exact resume needs, written as a :class:`splatflow.model.Checkpoint`.
+"""A training run's checkpoint: what an exact resume needs, written as a :class:`splatflow.gaussians.model.Checkpoint`.
 
 Besides the parameters and the SH degree, a training checkpoint carries the whole state of the run as its
 ``train`` entries (docs/CONTRACTS.md "Checkpoint"): the Gaussians' state (:class:`~splatflow.train.state.
@@ -18,10 +18,10 @@ import sys
 import time
 from pathlib import Path
 
-from splatflow.config import TrainConfig, section_dict
-from splatflow.device import to_device
-from splatflow.errors import UserError
-from splatflow.model import Checkpoint
+from splatflow.pipeline.config import TrainConfig, section_dict
+from splatflow.pipeline.device import to_device
+from splatflow.pipeline.errors import UserError
+from splatflow.gaussians.model import Checkpoint
 from splatflow.train.state import GaussianState
 
 log = logging.getLogger("splatflow.train")

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from splatflow.errors import UserError
+from splatflow.pipeline.errors import UserError
 
 NAN_CHECKED = ("means", "opacities", "scales")  # the groups whose NaN/Inf the step checks (after the strategy)
 

@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from splatflow import stop
-from splatflow.config import TrainConfig
+from splatflow.pipeline import stop
+from splatflow.pipeline.config import TrainConfig
 from splatflow.render.ssim import l1_ssim
 from splatflow.train import precompile as compile_ahead  # the module: tests stand in for its compile
 from splatflow.train.result import TrainResult

@@ -19,7 +19,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from splatflow.config import ResolutionPhase, TrainConfig
+from splatflow.pipeline.config import ResolutionPhase, TrainConfig
 
 # The content of the benchmark room the CPU defaults were tuned on: 32 training views at 800x600.
 REFERENCE_CONTENT_PX = 32 * 800 * 600

@@ -7,8 +7,8 @@ from the train settings; the loop calls their hooks in order and never asks whic
 
 from __future__ import annotations
 
-from splatflow.config import TrainConfig
-from splatflow.model import SPLAT_KEYS
+from splatflow.pipeline.config import TrainConfig
+from splatflow.gaussians.model import SPLAT_KEYS
 from splatflow.train.hooks import Policy
 from splatflow.train.prune_during import PruneDuring
 from splatflow.train.state import GaussianState

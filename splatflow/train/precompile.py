@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 import splatflow
-from splatflow.model import SPLAT_KEYS, Splats
+from splatflow.gaussians.model import SPLAT_KEYS, Splats
 from splatflow.render import rasterize, removal_loss
 from splatflow.render._kernels import touch_pool
 from splatflow.render.ssim import l1_ssim

@@ -1,13 +1,13 @@
 """Pruning inside the last part of training (``train.prune_during``): the steps after each cut are its recovery.
 
-Why: the prune stage's phased pruning (:mod:`splatflow.prune`, after LightGaussian) fine-tunes the model after
+Why: the prune stage's phased pruning (:mod:`splatflow.compress.prune`, after LightGaussian) fine-tunes the model after
 every phase; six recoveries of 1,000-3,000 steps cost about twice the training itself (docs/experiments.md). Training
 already ends with steps that only refine a fixed set of Gaussians (densification stops at
 ``densify.refine_stop_fraction``). Cutting the model during those steps lets them serve as the recovery, and each
 step after a cut is cheaper because fewer Gaussians are drawn, so pruning costs about its scoring (progressive
 pruning during training, as in Trick-GS, rather than LightGaussian's prune-then-recover).
 
-What is kept from the prune stage: the ranking (the removal cost, :func:`splatflow.scoring.removal_scores`, each
+What is kept from the prune stage: the ranking (the removal cost, :func:`splatflow.compress.scoring.removal_scores`, each
 cut made in ``score_rounds`` geometric sub-cuts re-scored in between) and the early stop against a PSNR floor on
 TRAINING views. What differs: the cuts are fractions of the count at the first cut (geometric from 1 down to
 ``keep_final``), the score is summed over ``score_views`` evenly spaced training views instead of all of them
@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from splatflow.config import PruneDuringConfig
-from splatflow.errors import UserError
-from splatflow.model import Splats
-from splatflow.scoring import Camera, removal_scores, top_indices, val_indices
+from splatflow.pipeline.config import PruneDuringConfig
+from splatflow.pipeline.errors import UserError
+from splatflow.gaussians.model import Splats
+from splatflow.compress.scoring import Camera, removal_scores, top_indices, val_indices
 from splatflow.train.hooks import LoopContext, Policy
 from splatflow.train.state import GaussianState
 

@@ -6,9 +6,9 @@ from dataclasses import replace
 
 import numpy as np
 
-from splatflow import stop
-from splatflow.config import TrainConfig
-from splatflow.model import Splats, scene_scale
+from splatflow.pipeline import stop
+from splatflow.pipeline.config import TrainConfig
+from splatflow.gaussians.model import Splats, scene_scale
 from splatflow.train.loop import Trainer
 from splatflow.train.schedules import BlurSchedule, ExpDecay, ResolutionSchedule, Schedules, SHSchedule
 

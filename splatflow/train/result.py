@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from splatflow.model import Splats
+from splatflow.gaussians.model import Splats
 
 
 @dataclass
@@ -19,7 +19,7 @@ class TrainResult:
     events: list[dict] = field(default_factory=list)
     initial_psnr: float | None = None
     resumed_from: int | None = None  # step of the unfinished checkpoint this run continued, if any
-    device: dict = field(default_factory=dict)  # splatflow.device.run_record: what ran, peak GPU memory
+    device: dict = field(default_factory=dict)  # splatflow.pipeline.device.run_record: what ran, peak GPU memory
     prune_during: dict | None = None  # train.prune_during's report (PruneDuring.report), when it ran
     appearance: dict | None = None  # train.appearance: how far the transforms moved (Appearance.report)
     # numba compiling the CPU kernels before the first step (splatflow.train.precompile; not in train_seconds),

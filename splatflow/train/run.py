@@ -14,11 +14,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from splatflow.config import TrainConfig
-from splatflow.device import gpu_memory_gib, reset_peak_memory, run_record
-from splatflow.device import resolve as resolve_device
-from splatflow.errors import UserError
-from splatflow.model import SPLAT_KEYS, Checkpoint, Splats, init_splats, scene_scale
+from splatflow.pipeline.config import TrainConfig
+from splatflow.pipeline.device import gpu_memory_gib, reset_peak_memory, run_record
+from splatflow.pipeline.device import resolve as resolve_device
+from splatflow.pipeline.errors import UserError
+from splatflow.gaussians.model import SPLAT_KEYS, Checkpoint, Splats, init_splats, scene_scale
 from splatflow.train import checkpoint, plan, policies
 from splatflow.train.appearance import Appearance
 from splatflow.train.guards import DeferredChecks, StepChecks

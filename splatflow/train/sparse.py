@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from splatflow.model import SPLAT_KEYS
+from splatflow.gaussians.model import SPLAT_KEYS
 from splatflow.render._sparse_kernels import adam_catch_up, adam_rows, window_candidates
 from splatflow.train.multi_adam import adam_state
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from splatflow.device import to_device
-from splatflow.model import SPLAT_KEYS, Splats
+from splatflow.pipeline.device import to_device
+from splatflow.gaussians.model import SPLAT_KEYS, Splats
 from splatflow.train import optim
 from splatflow.train.rows import spatial_order
 from splatflow.train.sparse import SparseAdam
@@ -57,7 +57,7 @@ class GaussianState:
         return self.params["means"].device
 
     def splats(self) -> Splats:
-        """The parameters as :class:`~splatflow.model.Splats` (the same tensors: renders differentiate them)."""
+        """The parameters as :class:`~splatflow.gaussians.model.Splats` (the same tensors: renders differentiate them)."""
         return Splats.of(self.params)
 
     def set_lr(self, group: str, lr: float) -> None:

@@ -9,7 +9,7 @@ import random
 import numpy as np
 import torch
 
-from splatflow.model import SPLAT_KEYS, Splats
+from splatflow.gaussians.model import SPLAT_KEYS, Splats
 from splatflow.render import rasterize
 from splatflow.scene.images import ImageCache
 from splatflow.train.sparse import candidates

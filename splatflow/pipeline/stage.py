@@ -14,19 +14,20 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from splatflow import progress, records, stop, tracking
-from splatflow.config import ConfigError, Params, load_params
-from splatflow.errors import UserError, fail
+from splatflow import tracking
+from splatflow.pipeline import progress, records, stop
+from splatflow.pipeline.config import ConfigError, Params, load_params
+from splatflow.pipeline.errors import UserError, fail
 from splatflow.orchestrate.workspace import WorkspaceBusy, busy_message, foreign_writer
-from splatflow.paths import ScenePaths
-from splatflow.runtime_env import peak_rss_mb
+from splatflow.pipeline.paths import ScenePaths
+from splatflow.pipeline.runtime_env import peak_rss_mb
 
 RunFn = Callable[[Params, ScenePaths], dict]
 
 
 def write_metrics(paths: ScenePaths, stage: str, metrics: dict) -> Path:
     """Write one stage's result dict, once: its numbers to ``metrics/<scene>/<stage>.json`` and the rest to
-    ``metrics/<scene>/info/<stage>.json`` (:mod:`splatflow.records`; NaN/Inf become null in the info file)."""
+    ``metrics/<scene>/info/<stage>.json`` (:mod:`splatflow.pipeline.records`; NaN/Inf become null in the info file)."""
     return records.write(paths, stage, metrics)[0]
 
 

@@ -17,7 +17,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from splatflow.config import SceneSource
+from splatflow.pipeline.config import SceneSource
 
 #: The params sections (or single keys) each stage reads besides ``base.*``: exactly what the stage declares
 #: under ``params`` in dvc.yaml (tests/test_dvc_deps.py checks both agree). A scene's own override of one of them

@@ -6,7 +6,7 @@
 * :data:`results_app` -- ``compare``, ``rerun`` and ``plots``.
 
 Heavy imports (prefect, mlflow, dvc) happen inside the commands so the CLI starts fast. A bad input raises
-:class:`~splatflow.errors.UserError`, which the CLI prints without a traceback (exit 2). See docs/orchestration.md.
+:class:`~splatflow.pipeline.errors.UserError`, which the CLI prints without a traceback (exit 2). See docs/orchestration.md.
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ from typing import Optional
 
 import typer
 
-from splatflow.config import ConfigError, load_params
-from splatflow.errors import UserError
+from splatflow.pipeline.config import ConfigError, load_params
+from splatflow.pipeline.errors import UserError
 from splatflow.orchestrate import servers, shared
 from splatflow.orchestrate.plots import render_csv_png
 from splatflow.orchestrate.rerun import rerun_commit
 from splatflow.orchestrate.dvcrun import check_sources
 from splatflow.orchestrate.workspace import apply_overrides, parse_override
-from splatflow.paths import ScenePaths, repo_root, require_project_root
+from splatflow.pipeline.paths import ScenePaths, repo_root, require_project_root
 
 
 def _root() -> Path:
@@ -527,7 +527,7 @@ def compare_cmd(run_ids: Optional[list[str]] = typer.Argument(None, help="two or
                + ("" if html_out is not None or len(missing) == len(runs) else " (--html OUT plots them)"))
     if html_out is not None:
         # lazy: MLflow loads only for the commands that read runs
-        from splatflow.compare_html import write_compare_html
+        from splatflow.present.compare_html import write_compare_html
 
         typer.echo(f"wrote {write_compare_html(ids[0], ids[1], html_out)}")
 

@@ -21,11 +21,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from splatflow.config import TrainConfig
-from splatflow.errors import UserError
+from splatflow.pipeline.config import TrainConfig
+from splatflow.pipeline.errors import UserError
 from splatflow.render import rasterize, resolve_backend
 from splatflow.scene.cameras import camera_centers
-from splatflow.sh import SH_C0
+from splatflow.gaussians.sh import SH_C0
 
 SPLAT_KEYS = ("means", "quats", "scales", "opacities", "sh0", "shN")
 
@@ -314,7 +314,7 @@ def render_view(splats: Splats, camera, sh_degree: int, backend: str = "auto",
     """One view ``[H, W, 3]`` in [0, 1], black background, on the splats' device.
 
     ``camera`` has ``world_to_cam [4, 4]``, ``K [3, 3]``, ``width`` and ``height`` (a ``View`` of the scene or a
-    :class:`splatflow.scoring.Camera`). Only the active ``(sh_degree+1)^2`` SH bands are passed to the rasterizer.
+    :class:`splatflow.compress.scoring.Camera`). Only the active ``(sh_degree+1)^2`` SH bands are passed to the rasterizer.
     Move the splats to the backend's device once (``splats.to(device)``), not per view: a mismatch raises.
     """
     name = resolve_backend(backend)

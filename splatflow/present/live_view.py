@@ -20,9 +20,9 @@ import threading
 import time
 from pathlib import Path
 
-from splatflow.errors import UserError
+from splatflow.pipeline.errors import UserError
 from splatflow.formats.common import as_numpy_splats
-from splatflow.model import SPLAT_KEYS
+from splatflow.gaussians.model import SPLAT_KEYS
 
 ENV = "SPLATFLOW_LIVE_VIEW"  # host:port to serve the live view on (unset: no live view)
 ENV_EVERY = "SPLATFLOW_LIVE_VIEW_EVERY_S"  # seconds between two refreshes
@@ -55,7 +55,7 @@ def parse_every(text: str, source: str = ENV_EVERY) -> float:
 class LiveView:
     """Serves the model of a running training in splatflow's viewer, with step, PSNR and Gaussian count.
 
-    ``cameras``: the scene's cameras (:func:`splatflow.report.scene_cameras`); ``title``: what the caption
+    ``cameras``: the scene's cameras (:func:`splatflow.present.report.scene_cameras`); ``title``: what the caption
     names (the scene). The server starts with the first refresh, at the first step; ``log`` gets its address.
     """
 
@@ -77,7 +77,7 @@ class LiveView:
         # an import there that draws from the global `random` would draw from the run's generator, which the loop
         # lends to the global one for the span of a step (splatflow.train.rng), and change the run
         # lazy: viser, which only a watched run needs
-        import splatflow.viewer  # noqa: F401
+        import splatflow.present.viewer  # noqa: F401
 
         self._thread = threading.Thread(target=self._serve, name="splatflow-live-view", daemon=True)
         self._thread.start()
@@ -123,7 +123,7 @@ class LiveView:
         status = (f"{self.title}: training, step {step:,} / {max_steps:,}, "
                   + (f"PSNR {psnr:.2f} dB" if psnr is not None else "PSNR not logged yet"))
         if self.viewer is None:
-            from splatflow.viewer import LoadedModel, SplatViewer  # lazy: viser, which only a watched run needs
+            from splatflow.present.viewer import LoadedModel, SplatViewer  # lazy: viser, which only a watched run needs
 
             sh_max = int(round(math.sqrt(splats["shN"].shape[1] + 1))) - 1
             model = LoadedModel(splats, sh_max, Path(self.title), "training", list(self.cameras), status=status)
@@ -170,7 +170,7 @@ def from_env(paths, log=print) -> list[LiveView]:
         return []
     host, port = parse_address(address)
     every = parse_every(os.environ[ENV_EVERY]) if os.environ.get(ENV_EVERY, "").strip() else EVERY_S
-    from splatflow.report import scene_cameras  # lazy: the report module (its PLY, SPZ and web-bundle readers)
+    from splatflow.present.report import scene_cameras  # lazy: the report module (its PLY, SPZ and web-bundle readers)
 
     cams = scene_cameras(paths)
     return [LiveView(cams, title=paths.scene, host=host, port=port, every_s=every, log=log)]

@@ -11,7 +11,7 @@ standard torch hub checkpoints (``alexnet-owt-7be5be79.pth``, ``vgg16-397923af.p
 the linear heads are the v0.1 ``.pth`` files shipped inside the ``lpips`` PyPI package, located without
 importing that package (importing it imports torchvision). Nothing is downloaded at run time: when a file is
 missing, :func:`load_lpips` returns ``None`` plus a reason string (naming ``splatflow weights fetch``, which
-downloads the trunks on request, :mod:`splatflow.weights`) and the caller records LPIPS as null.
+downloads the trunks on request, :mod:`splatflow.evaluation.weights`) and the caller records LPIPS as null.
 
 Variants (published tables mix them, so every number is stored under its variant's name):
 

@@ -1,6 +1,6 @@
 """Scores that rank Gaussians for pruning: LightGaussian's global significance and the exact removal cost.
 
-Both the prune stage (:mod:`splatflow.prune`) and pruning during training (:mod:`splatflow.train.prune_during`)
+Both the prune stage (:mod:`splatflow.compress.prune`) and pruning during training (:mod:`splatflow.train.prune_during`)
 rank with these, so they live below both: this module imports neither training nor the prune stage.
 
 Global significance (paper §3.2): ``GS_j = sum_i 1(G(X_j), r_i) * sigma_j * gamma(Sigma_j)`` over all rays
@@ -28,15 +28,15 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from splatflow.config import PruneConfig
-from splatflow.errors import UserError
-from splatflow.metrics import psnr
-from splatflow.model import Splats, render_view
+from splatflow.pipeline.config import PruneConfig
+from splatflow.pipeline.errors import UserError
+from splatflow.evaluation.metrics import psnr
+from splatflow.gaussians.model import Splats, render_view
 from splatflow.render import rasterize, removal_loss, resolve_backend
 from splatflow.scene.cameras import level_size, scale_intrinsics
 
 SCORES = typing.get_args(typing.get_type_hints(PruneConfig)["score"])
-"""The rankings ``prune.score`` names (the choices :class:`splatflow.config.PruneConfig` allows)."""
+"""The rankings ``prune.score`` names (the choices :class:`splatflow.pipeline.config.PruneConfig` allows)."""
 
 
 # --------------------------------------------------------------------------------------------- cameras
@@ -133,8 +133,8 @@ def removal_scores(splats: Splats, sh_degree: int, cameras: Sequence[Camera],
     Unlike the significance, which counts how much a Gaussian is SEEN, this counts what it is WORTH: a large
     Gaussian whose colour matches what lies behind or around it costs little to remove, a small one that draws
     an edge costs a lot. Exact per Gaussian (:func:`splatflow.render.removal_loss`); what removing many at once
-    does is left to the re-scored rounds and the recovery fine-tune (:func:`splatflow.prune.prune_phases`).
-    ``targets`` is indexed view by view, so it may decode on demand (:class:`splatflow.prune.CachedImages`).
+    does is left to the re-scored rounds and the recovery fine-tune (:func:`splatflow.compress.prune.prune_phases`).
+    ``targets`` is indexed view by view, so it may decode on demand (:class:`splatflow.compress.prune.CachedImages`).
 
     It needs, per pixel, every Gaussian's contribution and the colour composited behind it, which gsplat's CUDA
     backward sums into gradients: CPU splats are scored by our numba backward, splats on a GPU where they are by

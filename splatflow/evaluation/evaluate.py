@@ -6,7 +6,7 @@
   views there are.
 * PSNR and SSIM on RGB in [0, 1] (float renders clamped to [0, 1]; the ground truth comes from 8-bit files);
   optionally the render is rounded to 8 bits first, as when scoring saved PNGs. LPIPS variants are stored under
-  their own names (:mod:`splatflow.lpips`), null with the reason when weights are missing.
+  their own names (:mod:`splatflow.evaluation.lpips`), null with the reason when weights are missing.
 * Render time is the wall clock of one ``rasterize`` call per view (batch of one camera), after one untimed
   warm-up render (the first call compiles/caches kernels); FPS = 1 / mean render time.
 """
@@ -21,13 +21,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from splatflow import device as devices
-from splatflow.config import EvaluateConfig
-from splatflow.errors import UserError
-from splatflow.lpips import VARIANT_INPUTS, LpipsSet
-from splatflow.metrics import masked_pair, masked_psnr, masked_ssim, psnr, quantize_8bit, ssim
-from splatflow.model import Checkpoint, Splats, render_view
-from splatflow.runtime_env import peak_rss_mb
+from splatflow.pipeline import device as devices
+from splatflow.pipeline.config import EvaluateConfig
+from splatflow.pipeline.errors import UserError
+from splatflow.evaluation.lpips import VARIANT_INPUTS, LpipsSet
+from splatflow.evaluation.metrics import masked_pair, masked_psnr, masked_ssim, psnr, quantize_8bit, ssim
+from splatflow.gaussians.model import Checkpoint, Splats, render_view
+from splatflow.pipeline.runtime_env import peak_rss_mb
 from splatflow.scene.dataset import load_scene, read_split
 from splatflow.scene.masks import read_view_mask
 

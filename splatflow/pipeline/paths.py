@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from splatflow.errors import UserError
+from splatflow.pipeline.errors import UserError
 
 
 def project_root(start: str | Path | None = None) -> Path:
@@ -39,7 +39,7 @@ def experiment_origin(path: Path) -> Path | None:
 
 
 def require_project_root(start: str | Path | None = None) -> Path:
-    """:func:`repo_root`, or a :class:`~splatflow.errors.UserError` saying where to run from when there is none."""
+    """:func:`repo_root`, or a :class:`~splatflow.pipeline.errors.UserError` saying where to run from when there is none."""
     root = repo_root(start)
     if not (root / "params.yaml").exists() or not (root / "dvc.yaml").exists():
         raise UserError(f"no params.yaml and dvc.yaml in {root} or its parents: run splatflow from the project "

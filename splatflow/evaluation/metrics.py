@@ -4,7 +4,7 @@ PSNR and SSIM are computed on RGB in [0, 1], as in the 3DGS reference evaluation
 Mip-NeRF 360 tables. SSIM (Wang et al. 2004) uses an 11x11 Gaussian window with sigma 1.5 and zero "same"
 padding, exactly as the 3DGS code; it is the render engineer's fast implementation in
 :mod:`splatflow.render.ssim`, shared with the training loss so the two never drift apart.
-LPIPS lives in :mod:`splatflow.lpips` (plain torch, offline weights).
+LPIPS lives in :mod:`splatflow.evaluation.lpips` (plain torch, offline weights).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from splatflow.lpips import LPIPS, LpipsSet, VARIANT_INPUTS, VARIANTS, load_lpips  # noqa: F401 (re-exported)
+from splatflow.evaluation.lpips import LPIPS, LpipsSet, VARIANT_INPUTS, VARIANTS, load_lpips  # noqa: F401 (re-exported)
 from splatflow.render.ssim import ssim as _ssim, ssim_map_reference
 
 

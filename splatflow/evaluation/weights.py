@@ -1,6 +1,6 @@
 """``splatflow weights fetch``: the ImageNet backbones LPIPS needs, downloaded only when a user asks for them.
 
-LPIPS compares features of torchvision's ImageNet AlexNet and VGG16 (:mod:`splatflow.lpips`); nothing downloads
+LPIPS compares features of torchvision's ImageNet AlexNet and VGG16 (:mod:`splatflow.evaluation.lpips`); nothing downloads
 them at run time, so evaluation reports LPIPS as null until these two files are in the torch hub cache. This module
 fetches them from torchvision's own address into that cache -- where ``torch.hub`` and every other tool look --
 and checks each against the checksum torchvision publishes in the file name (``vgg16-397923af.pth``: the first
@@ -22,8 +22,8 @@ import urllib.request
 from pathlib import Path
 from typing import Callable
 
-from splatflow.errors import UserError
-from splatflow.lpips import BACKBONE_FILES, default_backbone_dir
+from splatflow.pipeline.errors import UserError
+from splatflow.evaluation.lpips import BACKBONE_FILES, default_backbone_dir
 
 #: Where torchvision publishes its ImageNet checkpoints (its ``AlexNet_Weights`` / ``VGG16_Weights`` URLs).
 OFFICIAL_BASE_URL = "https://download.pytorch.org/models/"

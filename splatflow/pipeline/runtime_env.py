@@ -23,7 +23,7 @@ import os as _os
 import resource as _resource
 from pathlib import Path as _Path
 
-from splatflow.paths import experiment_origin
+from splatflow.pipeline.paths import experiment_origin
 
 _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 _os.environ.setdefault("GOMP_SPINCOUNT", "20000")
@@ -33,7 +33,7 @@ def _kernel_cache_dir(render: _Path | None = None) -> str:
     """``render/__pycache__/numba-<hash of the kernel sources>`` of this checkout; for a copy of the workspace that
     ``dvc exp run --temp`` or the experiment queue makes in ``<repo>/.dvc/tmp/exps/``, the folder of the repo it
     was copied from, so each experiment loads the kernels compiled before instead of compiling them again."""
-    render = render or _Path(__file__).resolve().parent / "render"
+    render = render or _Path(__file__).resolve().parents[1] / "render"
     h = _hashlib.sha1()
     for src in sorted(render.glob("*.py")):
         h.update(src.name.encode())

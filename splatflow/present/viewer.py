@@ -25,14 +25,14 @@ from pathlib import Path
 
 import numpy as np
 
-from splatflow.config import load_params
-from splatflow.errors import UserError
+from splatflow.pipeline.config import load_params
+from splatflow.pipeline.errors import UserError
 from splatflow.formats.common import as_numpy_splats
-from splatflow.model import load_splats
-from splatflow.paths import ScenePaths
+from splatflow.gaussians.model import load_splats
+from splatflow.pipeline.paths import ScenePaths
 from splatflow.render.projection import eval_sh
-from splatflow.report import CameraInfo, read_splat_file, scene_cameras
-from splatflow.sh import SH_C0
+from splatflow.present.report import CameraInfo, read_splat_file, scene_cameras
+from splatflow.gaussians.sh import SH_C0
 
 STAGES = ("export", "prune", "train")  # newest first: what `view SCENE` shows without --stage
 TRAIN_COLOR = (150, 150, 150)

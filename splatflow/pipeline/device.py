@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from splatflow.errors import UserError
+from splatflow.pipeline.errors import UserError
 from splatflow.render import resolve_backend
 
 

@@ -9,7 +9,7 @@ others). They cost memory, disk and render time for nothing. LightGaussian ranks
 contributes to the training images and drops the least significant ones, then briefly fine-tunes the rest
 ("recovery") so they absorb what the removed ones did.
 
-The scores themselves are in :mod:`splatflow.scoring` (shared with pruning during training).
+The scores themselves are in :mod:`splatflow.compress.scoring` (shared with pruning during training).
 
 Phases: pruning all the way to 10% at once destroys the scene; pruning in steps with a short recovery after each
 (the "prune and recover" of the paper, here repeated) lets the survivors adapt. Each phase re-scores the current
@@ -49,15 +49,15 @@ from typing import Callable, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from splatflow import device as devices
-from splatflow import stop
-from splatflow.config import PruneConfig, section_dict
-from splatflow.errors import UserError
-from splatflow.model import Checkpoint, Splats, save_checkpoint
+from splatflow.pipeline import device as devices
+from splatflow.pipeline import stop
+from splatflow.pipeline.config import PruneConfig, section_dict
+from splatflow.pipeline.errors import UserError
+from splatflow.gaussians.model import Checkpoint, Splats, save_checkpoint
 from splatflow.scene.dataset import load_scene
 from splatflow.scene.images import ImageCache
-from splatflow.scoring import (SCORES, Camera, cameras_at, mean_psnr, removal_scores, significance, top_indices,
-                               val_indices)
+from splatflow.compress.scoring import (SCORES, Camera, cameras_at, mean_psnr, removal_scores, significance,
+                                        top_indices, val_indices)
 from splatflow.train import finetune as _finetune
 from splatflow.train.prune_during import verify
 
@@ -92,7 +92,7 @@ def prune_phases(splats: Splats, sh_degree: int, cfg: PruneConfig, *, score_came
                  on_accepted: Callable[[dict], None] | None = None) -> PruneResult:
     """Prune ``splats`` in phases down to ``keep_fractions`` (of the ORIGINAL count), recovering after each.
 
-    Each phase, with the settings of ``cfg`` (:class:`splatflow.config.PruneConfig`): score the current model on
+    Each phase, with the settings of ``cfg`` (:class:`splatflow.pipeline.config.PruneConfig`): score the current model on
     ``score_cameras`` (training views; ``cfg.score`` is "significance" or "removal", which needs the images
     ``score_targets``), keep the top ``round(fraction * N0)`` (in ``cfg.score_rounds`` geometric cuts, re-scoring
     before each), fine-tune ``cfg.finetune_steps * fraction**-cfg.finetune_growth`` steps, measure validation PSNR.
@@ -217,7 +217,7 @@ def run_prune(cfg, train_cfg, *, train_ckpt, out_ckpt, undistorted_dir=None, spl
               phases_ckpt=None) -> dict:
     """The prune stage's work: read the trained checkpoint, prune (or copy), write ``out_ckpt``, return metrics.
 
-    ``cfg`` is :class:`splatflow.config.PruneConfig`; ``train_cfg`` the :class:`TrainConfig` whose learning rates
+    ``cfg`` is :class:`splatflow.pipeline.config.PruneConfig`; ``train_cfg`` the :class:`TrainConfig` whose learning rates
     and loss the recovery fine-tune (:func:`splatflow.train.finetune`) reuses. ``scene`` (a ``SceneData``) may
     be given instead of ``undistorted_dir``/``split_json``. The written checkpoint holds ``splats``,
     ``sh_degree`` and the training ``step`` only (no optimizer state).

@@ -7,7 +7,7 @@ error map, and an interactive 3D view of the exported splat.
 
 Self-contained means: the images are embedded as ``data:`` URIs, the splat is embedded as SPZ bytes (cut to the
 ``report.preview_max_gaussians`` most important Gaussians when larger, the full exported files linked beside it),
-and the renderer script (Spark on three.js, bundled from the npm registry by :mod:`splatflow.webbundle`) is
+and the renderer script (Spark on three.js, bundled from the npm registry by :mod:`splatflow.present.webbundle`) is
 inlined. Nothing is fetched when the page opens.
 
 Frames: our world follows COLMAP (x right, y down, z forward) and so do the embedded SPZ coordinates (written with
@@ -30,19 +30,19 @@ from typing import Any
 
 import numpy as np
 
-from splatflow import records
-from splatflow.config import ReportConfig
-from splatflow.errors import UserError
+from splatflow.pipeline import records
+from splatflow.pipeline.config import ReportConfig
+from splatflow.pipeline.errors import UserError
 from splatflow.formats import common
 from splatflow.formats.common import sigmoid, splats_to_torch
 from splatflow.formats.ply import read_ply
 from splatflow.formats.splat import read_splat
 from splatflow.formats.spz import read_spz, write_spz
-from splatflow.paths import ScenePaths
+from splatflow.pipeline.paths import ScenePaths
 from splatflow.scene.fitness import fitness_warning
 from splatflow.scene.cameras import camera_centers
 from splatflow.scene.dataset import load_scene
-from splatflow.webbundle import load_bundle
+from splatflow.present.webbundle import load_bundle
 
 #: Exported formats the report and the viewer read, in order of preference (the PLY is lossless).
 SPLAT_SUFFIXES = (".ply", ".spz", ".splat")
@@ -359,7 +359,7 @@ code{background:#eef1f4;padding:0 3px;border-radius:2px}
 
 
 def error_scale_html(error_gain: float) -> str:
-    """The colour scale of the error maps (:func:`splatflow.evaluate.error_heatmap`: black at 0, red, yellow, white
+    """The colour scale of the error maps (:func:`splatflow.evaluation.evaluate.error_heatmap`: black at 0, red, yellow, white
     at 1 / ``error_gain`` and above, of the mean absolute RGB error in [0, 1]), so a colour reads as a number."""
     top = 1.0 / error_gain
     ticks = "".join(f"<span style=\"left:{100 * i / 3:.2f}%\">{top * i / 3:.3g}</span>" for i in range(4))

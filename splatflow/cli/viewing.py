@@ -1,7 +1,7 @@
 """Looking at results from the ``splatflow`` CLI: ``view`` (interactive viewer), ``report`` and ``build-web``.
 
 A typer sub-app (:data:`app`) that ``splatflow.cli`` mounts; viser, torch and matplotlib are imported inside the
-commands. A bad input raises :class:`~splatflow.errors.UserError`, which the CLI prints without a traceback.
+commands. A bad input raises :class:`~splatflow.pipeline.errors.UserError`, which the CLI prints without a traceback.
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from typing import Optional
 
 import typer
 
-from splatflow import records
-from splatflow.config import load_params
-from splatflow.errors import UserError
-from splatflow.paths import ScenePaths, project_root, require_project_root
-from splatflow.webbundle import build
+from splatflow.pipeline import records
+from splatflow.pipeline.config import load_params
+from splatflow.pipeline.errors import UserError
+from splatflow.pipeline.paths import ScenePaths, project_root, require_project_root
+from splatflow.present.webbundle import build
 
 app = typer.Typer()
 PANEL = "Results"
@@ -31,7 +31,7 @@ def view_cmd(
     host: str = typer.Option("127.0.0.1", help="interface to listen on (127.0.0.1: this machine only)"),
 ):
     """Serve the scene's splat in an interactive viewer (viser), with its cameras; Ctrl-C stops it."""
-    from splatflow.viewer import SplatViewer, load_target, serve_forever  # lazy: viser and torch load only to serve
+    from splatflow.present.viewer import SplatViewer, load_target, serve_forever  # lazy: viser and torch load only to serve
 
     model = load_target(target, project_root(), stage)
     viewer = SplatViewer(model, host=host, port=port, start_camera=camera)
@@ -76,7 +76,7 @@ def weights_fetch_cmd(
                                                     "(the files keep their names and checksums)"),
 ):
     """Download the ImageNet AlexNet and VGG16 weights LPIPS needs (torchvision's files, checksum-checked)."""
-    from splatflow.weights import OFFICIAL_BASE_URL, fetch_backbones  # lazy: torch, through splatflow.lpips
+    from splatflow.evaluation.weights import OFFICIAL_BASE_URL, fetch_backbones  # lazy: torch, through splatflow.evaluation.lpips
 
     saved = fetch_backbones(tuple(net or ("alex", "vgg")), dest_dir=dest, base_url=mirror or OFFICIAL_BASE_URL,
                             log=typer.echo)

@@ -24,8 +24,8 @@ import math
 import os
 from pathlib import Path
 
-from splatflow.errors import UserError
-from splatflow.paths import ScenePaths
+from splatflow.pipeline.errors import UserError
+from splatflow.pipeline.paths import ScenePaths
 
 #: ``metrics/S/headline.json``: name -> (stage, key in ``metrics/S/<stage>.json``). The names are unique among all
 #: metrics and params, so ``dvc exp show`` lists them unprefixed (a name two files share is shown as

@@ -1,9 +1,9 @@
 """The ``splatflow`` command line: scenes in, DVC pipeline runs, servers and run tracking.
 
 One typer app made of sub-apps: the pipeline commands here (``demo-scene``, ``add-scene``, ``run``), the servers,
-flows, ``runs`` and results of :mod:`splatflow.ops_cli`, and the viewing commands of :mod:`splatflow.view_cli`.
-Commands raise :class:`~splatflow.errors.UserError` (or :class:`~splatflow.config.ConfigError`) for a bad input;
-:class:`CLIGroup` prints it with :func:`splatflow.errors.fail` -- the same helper as the stage shell's -- and exits
+flows, ``runs`` and results of :mod:`splatflow.cli.ops`, and the viewing commands of :mod:`splatflow.cli.viewing`.
+Commands raise :class:`~splatflow.pipeline.errors.UserError` (or :class:`~splatflow.pipeline.config.ConfigError`) for a bad input;
+:class:`CLIGroup` prints it with :func:`splatflow.pipeline.errors.fail` -- the same helper as the stage shell's -- and exits
 with the error's status (2; 3 for a busy workspace), without a traceback.
 """
 
@@ -18,12 +18,12 @@ import click
 import typer
 from typer.core import TyperGroup
 
-from splatflow import ops_cli, view_cli
-from splatflow.config import ConfigError, load_params
-from splatflow.errors import UserError, fail
+from splatflow.cli import ops, viewing
+from splatflow.pipeline.config import ConfigError, load_params
+from splatflow.pipeline.errors import UserError, fail
 from splatflow.orchestrate.dvcrun import check_sources, stage_order
 from splatflow.orchestrate.workspace import workspace_lock
-from splatflow.paths import require_project_root
+from splatflow.pipeline.paths import require_project_root
 
 PIPELINE = "Pipeline"
 
@@ -228,11 +228,11 @@ def run(
             raise UserError(f"dvc.yaml makes no stages for scene {s!r}; check its entry under base.scenes in "
                             "params.yaml (a scene name must be a string: quote it) and dvc.yaml's foreach")
     if view:
-        from splatflow import live_view  # lazy: torch (the live view's snapshots), which the other commands skip
+        from splatflow.present import live_view  # lazy: torch (the live view's snapshots), which the other commands skip
 
         os.environ[live_view.ENV] = f"127.0.0.1:{live_view.parse_address(str(view_port), '--view-port')[1]}"
         os.environ[live_view.ENV_EVERY] = str(live_view.parse_every(str(view_every), "--view-every"))
-    ops_cli._use_local_prefect_server()  # the user's Prefect server (`splatflow ui`) when one answers
+    ops._use_local_prefect_server()  # the user's Prefect server (`splatflow ui`) when one answers
     from splatflow.orchestrate.flowrun import run_scenes  # lazy: Prefect loads only for the commands that run flows
 
     def tell(msg: str) -> None:
@@ -255,12 +255,12 @@ def run(
 
 
 # The sub-apps: their commands keep the command lines they always had (`splatflow ui`, `splatflow runs reap`).
-app.add_typer(ops_cli.servers_app)
-app.add_typer(ops_cli.flows_app)
-app.add_typer(ops_cli.runs_app, name="runs", rich_help_panel=ops_cli.RESULTS)
-app.add_typer(ops_cli.results_app)
-app.add_typer(view_cli.app)
-app.add_typer(view_cli.weights_app, name="weights", rich_help_panel=view_cli.PANEL)
+app.add_typer(ops.servers_app)
+app.add_typer(ops.flows_app)
+app.add_typer(ops.runs_app, name="runs", rich_help_panel=ops.RESULTS)
+app.add_typer(ops.results_app)
+app.add_typer(viewing.app)
+app.add_typer(viewing.weights_app, name="weights", rich_help_panel=viewing.PANEL)
 
 
 def main() -> None:

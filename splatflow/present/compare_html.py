@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from splatflow import tracking
-from splatflow.errors import UserError
+from splatflow.pipeline.errors import UserError
 
 CURVES = ("loss", "psnr", "gaussians")
 

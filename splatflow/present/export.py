@@ -15,13 +15,13 @@ from pathlib import Path
 
 import numpy as np
 
-from splatflow.config import ExportConfig
+from splatflow.pipeline.config import ExportConfig
 from splatflow.formats import write_ply, write_splat, write_spz
 from splatflow.formats.common import as_numpy_splats, sigmoid
 from splatflow.formats.ply import vertices_to_splats
 from splatflow.formats.spz import COLOR_SCALE, POS_FLIP_YZ, SH_FLIP_YZ, read_spz
 from splatflow.formats.splat import importance_order
-from splatflow.sh import SH_C0
+from splatflow.gaussians.sh import SH_C0
 
 
 class ExportVerificationError(RuntimeError):
@@ -119,7 +119,7 @@ def verify_splat(path: Path, ref: dict[str, np.ndarray], order: np.ndarray) -> d
     ref_sorted = {k: v[order] for k, v in ref.items()}
     c_lo, c_hi = (0.0 - 0.5) / SH_C0, (1.0 - 0.5) / SH_C0
     errs = compare(ref_sorted, got, SPLAT_TOLERANCE, what=str(path), color_range=(c_lo, c_hi))
-    return {"verified_with": "byte-offset decoder (splatflow.export.decode_splat_bytes)", "max_errors": errs}
+    return {"verified_with": "byte-offset decoder (splatflow.present.export.decode_splat_bytes)", "max_errors": errs}
 
 
 def verify_spz(path: Path, ref: dict[str, np.ndarray], version: int, from_coordinates: str) -> dict:

@@ -14,9 +14,9 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from splatflow.errors import UserError
+from splatflow.pipeline.errors import UserError
 
-WEB_DIR = Path(__file__).resolve().parent / "web"
+WEB_DIR = Path(__file__).resolve().parents[1] / "web"
 SOURCES = ("package.json", "package-lock.json", "entry.js")
 
 
