@@ -10,8 +10,8 @@ decoded to float; renders not quantised).
 Targets: >= 28 dB test PSNR with <= 10 minutes of training on 2 cores; and, for quality per minute, >= 30 dB
 within 5 minutes of training (the unpruned model: ``--set prune_during.enabled=false``).
 
-After training, the prune stage's work (``splatflow.compress.prune.run_prune`` with ``params.yaml``'s ``prune`` section) runs
-on the checkpoint and is timed, so the prune stage's time is reported beside the train stage's (one ratio per run),
+After training, the prune stage's work (``splatflow.compress.prune.run_prune`` with ``params.yaml``'s ``prune`` section)
+runs on the checkpoint and is timed, so the prune stage's time is reported beside the train stage's (one ratio per run),
 with the test PSNR of the model the prune stage writes. With ``train.prune_during`` on (the default) training
 already pruned the model and the prune stage verifies and copies it.
 

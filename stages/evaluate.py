@@ -4,7 +4,8 @@ Reads ``models/<scene>/prune/ckpt.pt``, ``data/<scene>/undistorted`` and ``data/
 ``metrics/<scene>/evaluate.json`` (the means; the protocol and any LPIPS variant's reason for being n/a go to
 ``metrics/<scene>/info/evaluate.json``), ``metrics/<scene>/headline.json`` (the scene's headline numbers, train's
 time included: :data:`splatflow.pipeline.records.HEADLINE`), ``metrics/<scene>/per_view.csv`` (pandera-validated) and
-``data/<scene>/renders/<view>.png`` (render | ground truth | error map). The work is in :mod:`splatflow.evaluation.evaluate`.
+``data/<scene>/renders/<view>.png`` (render | ground truth | error map). The work is in
+:mod:`splatflow.evaluation.evaluate`.
 """
 
 from __future__ import annotations

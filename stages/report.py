@@ -1,7 +1,7 @@
 """DVC stage `report`: the scene's stage outputs -> ``reports/<scene>/index.html`` (one self-contained page).
 
-Thin shell: the page is built by :mod:`splatflow.present.report` (metrics, SfM summary, curves, test views and an embedded
-3D viewer of the exported splat); ``metrics/<scene>/report.json`` records its size and what the preview holds.
+Thin shell: the page is built by :mod:`splatflow.present.report` (metrics, SfM summary, curves, test views and an
+embedded 3D viewer of the exported splat); ``metrics/<scene>/report.json`` records its size and what the preview holds.
 """
 
 from __future__ import annotations

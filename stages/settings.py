@@ -1,11 +1,11 @@
 """DVC stage `settings`: the scene's entry in params.yaml -> ``data/<scene>/settings/<stage>.json``, one per stage.
 
 The first stage of every scene; each later stage depends on its own file rather than on the whole entry, so a
-change of ``base.scenes.<scene>.params.export`` reruns export and report only (:mod:`splatflow.pipeline.scene_settings`).
-It runs in every ``dvc repro`` (``always_changed``; its files are rewritten with the same bytes, so nothing after
-it reruns for that): the whole params.yaml is checked there (a bad key in a section the stages of this repro do
-not read still stops it), and so is the scene's source (a capture that is not there stops the repro before DVC
-removes the ingest outputs).
+change of ``base.scenes.<scene>.params.export`` reruns export and report only
+(:mod:`splatflow.pipeline.scene_settings`). It runs in every ``dvc repro`` (``always_changed``; its files are rewritten
+with the same bytes, so nothing after it reruns for that): the whole params.yaml is checked there (a bad key in a
+section the stages of this repro do not read still stops it), and so is the scene's source (a capture that is not there
+stops the repro before DVC removes the ingest outputs).
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-PLUMBING = {"splatflow/pipeline/stage.py", "splatflow/tracking.py", "splatflow/pipeline/paths.py", "splatflow/pipeline/errors.py",
-            "splatflow/pipeline/records.py", "splatflow/present/live_view.py",
+PLUMBING = {"splatflow/pipeline/stage.py", "splatflow/tracking.py", "splatflow/pipeline/paths.py",
+            "splatflow/pipeline/errors.py", "splatflow/pipeline/records.py", "splatflow/present/live_view.py",
             "splatflow/pipeline/stop.py", "splatflow/pipeline/runtime_env.py", "splatflow/pipeline/progress.py",
             *(f"splatflow/tracking/{p.name}" for p in (REPO / "splatflow" / "tracking").glob("*.py"))}
 #: What ``stage_main`` itself reads from params for every stage (seeding), and for stages that pin thread counts.
@@ -238,7 +238,8 @@ def test_stage_declares_exactly_the_params_it_reads(stage):
 
 
 def test_the_analysis_sees_lazy_imports_and_transitive_modules():
-    """The checker itself: prune imports splatflow.compress.prune inside run(), which imports metrics and the dataset."""
+    """The checker itself: prune imports splatflow.compress.prune inside run(), which imports metrics and the
+    dataset."""
     files = transitive_files(REPO / "stages" / "prune.py")
     assert "splatflow/compress/prune.py" in files and "splatflow/evaluation/metrics.py" in files
     assert "splatflow/scene/dataset.py" in files

@@ -109,7 +109,8 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_no_import_cycle_in_splatflow():
     cycle = find_cycle(import_graph(REPO, "splatflow"))
     assert cycle is None, ("import circle: " + " -> ".join(cycle) + "; move what both sides need into a module "
-                           "below them (as splatflow.compress.scoring sits below splatflow.compress.prune and splatflow.train)")
+                           "below them (as splatflow.compress.scoring sits below splatflow.compress.prune and "
+                           "splatflow.train)")
 
 
 def test_function_level_project_imports_say_why():

@@ -2,9 +2,9 @@
 
 One typer app made of sub-apps: the pipeline commands here (``demo-scene``, ``add-scene``, ``run``), the servers,
 flows, ``runs`` and results of :mod:`splatflow.cli.ops`, and the viewing commands of :mod:`splatflow.cli.viewing`.
-Commands raise :class:`~splatflow.pipeline.errors.UserError` (or :class:`~splatflow.pipeline.config.ConfigError`) for a bad input;
-:class:`CLIGroup` prints it with :func:`splatflow.pipeline.errors.fail` -- the same helper as the stage shell's -- and exits
-with the error's status (2; 3 for a busy workspace), without a traceback.
+Commands raise :class:`~splatflow.pipeline.errors.UserError` (or :class:`~splatflow.pipeline.config.ConfigError`) for a
+bad input; :class:`CLIGroup` prints it with :func:`splatflow.pipeline.errors.fail` -- the same helper as the stage
+shell's -- and exits with the error's status (2; 3 for a busy workspace), without a traceback.
 """
 
 from __future__ import annotations
@@ -228,7 +228,8 @@ def run(
             raise UserError(f"dvc.yaml makes no stages for scene {s!r}; check its entry under base.scenes in "
                             "params.yaml (a scene name must be a string: quote it) and dvc.yaml's foreach")
     if view:
-        from splatflow.present import live_view  # lazy: torch (the live view's snapshots), which the other commands skip
+        # lazy: torch (the live view's snapshots), which the other commands skip
+        from splatflow.present import live_view
 
         os.environ[live_view.ENV] = f"127.0.0.1:{live_view.parse_address(str(view_port), '--view-port')[1]}"
         os.environ[live_view.ENV_EVERY] = str(live_view.parse_every(str(view_every), "--view-every"))

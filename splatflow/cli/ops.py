@@ -6,7 +6,8 @@
 * :data:`results_app` -- ``compare``, ``rerun`` and ``plots``.
 
 Heavy imports (prefect, mlflow, dvc) happen inside the commands so the CLI starts fast. A bad input raises
-:class:`~splatflow.pipeline.errors.UserError`, which the CLI prints without a traceback (exit 2). See docs/orchestration.md.
+:class:`~splatflow.pipeline.errors.UserError`, which the CLI prints without a traceback (exit 2). See
+docs/orchestration.md.
 """
 
 from __future__ import annotations

@@ -31,7 +31,8 @@ def view_cmd(
     host: str = typer.Option("127.0.0.1", help="interface to listen on (127.0.0.1: this machine only)"),
 ):
     """Serve the scene's splat in an interactive viewer (viser), with its cameras; Ctrl-C stops it."""
-    from splatflow.present.viewer import SplatViewer, load_target, serve_forever  # lazy: viser and torch load only to serve
+    # lazy: viser and torch load only to serve
+    from splatflow.present.viewer import SplatViewer, load_target, serve_forever
 
     model = load_target(target, project_root(), stage)
     viewer = SplatViewer(model, host=host, port=port, start_camera=camera)
@@ -76,7 +77,8 @@ def weights_fetch_cmd(
                                                     "(the files keep their names and checksums)"),
 ):
     """Download the ImageNet AlexNet and VGG16 weights LPIPS needs (torchvision's files, checksum-checked)."""
-    from splatflow.evaluation.weights import OFFICIAL_BASE_URL, fetch_backbones  # lazy: torch, through splatflow.evaluation.lpips
+    # lazy: torch, through splatflow.evaluation.lpips
+    from splatflow.evaluation.weights import OFFICIAL_BASE_URL, fetch_backbones
 
     saved = fetch_backbones(tuple(net or ("alex", "vgg")), dest_dir=dest, base_url=mirror or OFFICIAL_BASE_URL,
                             log=typer.echo)

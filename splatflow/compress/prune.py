@@ -92,8 +92,8 @@ def prune_phases(splats: Splats, sh_degree: int, cfg: PruneConfig, *, score_came
                  on_accepted: Callable[[dict], None] | None = None) -> PruneResult:
     """Prune ``splats`` in phases down to ``keep_fractions`` (of the ORIGINAL count), recovering after each.
 
-    Each phase, with the settings of ``cfg`` (:class:`splatflow.pipeline.config.PruneConfig`): score the current model on
-    ``score_cameras`` (training views; ``cfg.score`` is "significance" or "removal", which needs the images
+    Each phase, with the settings of ``cfg`` (:class:`splatflow.pipeline.config.PruneConfig`): score the current model
+    on ``score_cameras`` (training views; ``cfg.score`` is "significance" or "removal", which needs the images
     ``score_targets``), keep the top ``round(fraction * N0)`` (in ``cfg.score_rounds`` geometric cuts, re-scoring
     before each), fine-tune ``cfg.finetune_steps * fraction**-cfg.finetune_growth`` steps, measure validation PSNR.
     A phase whose PSNR is more than ``cfg.max_psnr_drop_db`` below the unpruned model's is rejected and pruning
@@ -217,8 +217,8 @@ def run_prune(cfg, train_cfg, *, train_ckpt, out_ckpt, undistorted_dir=None, spl
               phases_ckpt=None) -> dict:
     """The prune stage's work: read the trained checkpoint, prune (or copy), write ``out_ckpt``, return metrics.
 
-    ``cfg`` is :class:`splatflow.pipeline.config.PruneConfig`; ``train_cfg`` the :class:`TrainConfig` whose learning rates
-    and loss the recovery fine-tune (:func:`splatflow.train.finetune`) reuses. ``scene`` (a ``SceneData``) may
+    ``cfg`` is :class:`splatflow.pipeline.config.PruneConfig`; ``train_cfg`` the :class:`TrainConfig` whose learning
+    rates and loss the recovery fine-tune (:func:`splatflow.train.finetune`) reuses. ``scene`` (a ``SceneData``) may
     be given instead of ``undistorted_dir``/``split_json``. The written checkpoint holds ``splats``,
     ``sh_degree`` and the training ``step`` only (no optimizer state).
 

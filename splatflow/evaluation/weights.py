@@ -1,8 +1,8 @@
 """``splatflow weights fetch``: the ImageNet backbones LPIPS needs, downloaded only when a user asks for them.
 
-LPIPS compares features of torchvision's ImageNet AlexNet and VGG16 (:mod:`splatflow.evaluation.lpips`); nothing downloads
-them at run time, so evaluation reports LPIPS as null until these two files are in the torch hub cache. This module
-fetches them from torchvision's own address into that cache -- where ``torch.hub`` and every other tool look --
+LPIPS compares features of torchvision's ImageNet AlexNet and VGG16 (:mod:`splatflow.evaluation.lpips`); nothing
+downloads them at run time, so evaluation reports LPIPS as null until these two files are in the torch hub cache. This
+module fetches them from torchvision's own address into that cache -- where ``torch.hub`` and every other tool look --
 and checks each against the checksum torchvision publishes in the file name (``vgg16-397923af.pth``: the first
 hex digits of the file's SHA-256, the check ``torch.hub`` itself makes). A file is written to a temporary name
 beside its destination and moved into place only after the check passes, so a refused or interrupted download

@@ -314,8 +314,8 @@ def render_view(splats: Splats, camera, sh_degree: int, backend: str = "auto",
     """One view ``[H, W, 3]`` in [0, 1], black background, on the splats' device.
 
     ``camera`` has ``world_to_cam [4, 4]``, ``K [3, 3]``, ``width`` and ``height`` (a ``View`` of the scene or a
-    :class:`splatflow.compress.scoring.Camera`). Only the active ``(sh_degree+1)^2`` SH bands are passed to the rasterizer.
-    Move the splats to the backend's device once (``splats.to(device)``), not per view: a mismatch raises.
+    :class:`splatflow.compress.scoring.Camera`). Only the active ``(sh_degree+1)^2`` SH bands are passed to the
+    rasterizer. Move the splats to the backend's device once (``splats.to(device)``), not per view: a mismatch raises.
     """
     name = resolve_backend(backend)
     dev = splats.device

@@ -39,7 +39,8 @@ def experiment_origin(path: Path) -> Path | None:
 
 
 def require_project_root(start: str | Path | None = None) -> Path:
-    """:func:`repo_root`, or a :class:`~splatflow.pipeline.errors.UserError` saying where to run from when there is none."""
+    """:func:`repo_root`, or a :class:`~splatflow.pipeline.errors.UserError` saying where to run from when there is
+    none."""
     root = repo_root(start)
     if not (root / "params.yaml").exists() or not (root / "dvc.yaml").exists():
         raise UserError(f"no params.yaml and dvc.yaml in {root} or its parents: run splatflow from the project "

@@ -1,7 +1,7 @@
 """Who stops a stage, and how: one SIGTERM (and Ctrl-C) handler per process, and a stop flag that long loops poll.
 
-A stage process has exactly one owner of SIGTERM and SIGINT: the stage shell (``splatflow.pipeline.stage.stage_main`` and
-``splatflow.tracking.stage_tracking`` call :func:`install`). Ctrl-C in a terminal sends SIGINT to the whole
+A stage process has exactly one owner of SIGTERM and SIGINT: the stage shell (``splatflow.pipeline.stage.stage_main``
+and ``splatflow.tracking.stage_tracking`` call :func:`install`). Ctrl-C in a terminal sends SIGINT to the whole
 foreground process group, the stage included; it is the same request as SIGTERM. (Left to Python's default, it
 raised KeyboardInterrupt wherever the process was, often inside a numba kernel's callback, which wrapped it in a
 SystemError: a traceback, a FAILED MLflow run, and the training steps since the last periodic checkpoint lost.)

@@ -359,8 +359,8 @@ code{background:#eef1f4;padding:0 3px;border-radius:2px}
 
 
 def error_scale_html(error_gain: float) -> str:
-    """The colour scale of the error maps (:func:`splatflow.evaluation.evaluate.error_heatmap`: black at 0, red, yellow, white
-    at 1 / ``error_gain`` and above, of the mean absolute RGB error in [0, 1]), so a colour reads as a number."""
+    """The colour scale of the error maps (:func:`splatflow.evaluation.evaluate.error_heatmap`: black at 0, red, yellow,
+    white at 1 / ``error_gain`` and above, of the mean absolute RGB error in [0, 1]), so a colour reads as a number."""
     top = 1.0 / error_gain
     ticks = "".join(f"<span style=\"left:{100 * i / 3:.2f}%\">{top * i / 3:.3g}</span>" for i in range(4))
     return (f'<div class=errscale id=error-scale data-max="{top:.6g}"><b>error map</b> '

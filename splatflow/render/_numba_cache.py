@@ -1,8 +1,8 @@
 """Where numba caches the compiled kernels: one cache per version of the kernel sources, whatever path they are
 imported through.
 
-``splatflow.pipeline.runtime_env`` points ``NUMBA_CACHE_DIR`` at ``render/__pycache__/numba-<hash of the kernel sources>``
-(resolved, so a project that links ``splatflow/`` to a checkout uses the checkout's folder). Inside it numba
+``splatflow.pipeline.runtime_env`` points ``NUMBA_CACHE_DIR`` at ``render/__pycache__/numba-<hash of the kernel
+sources>`` (resolved, so a project that links ``splatflow/`` to a checkout uses the checkout's folder). Inside it numba
 files each source file's kernels under a sub-folder named after the file's directory *as imported*: the same
 kernels imported through a symbolic link (the test projects link ``splatflow/`` to the checkout so that DVC can
 hash it) landed in a new sub-folder and compiled again, ~42 s of CPU per project, and so did the copies of the

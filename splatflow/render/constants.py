@@ -6,8 +6,8 @@ keeps the oracle, the projection and the kernels from drifting apart.
 
 from __future__ import annotations
 
-# the SH basis constants, defined in splatflow.gaussians.sh (outside this package, so the file formats and the viewer read
-# them without loading the rasterizer) and part of the rendering model's constants here
+# the SH basis constants, defined in splatflow.gaussians.sh (outside this package, so the file formats and the viewer
+# read them without loading the rasterizer) and part of the rendering model's constants here
 from splatflow.gaussians.sh import SH_C0, SH_C1, SH_C2, SH_C3  # noqa: F401
 
 TILE = 16

@@ -1,10 +1,11 @@
 """Runs side by side: finding runs from what a user types, the headline numbers first, and the params that differ.
 
 A user names runs the way ``splatflow runs list`` prints them (a short id), by a longer or full id, or by run name;
-:func:`resolve_run_ids` turns each into one run id or a :class:`~splatflow.pipeline.errors.UserError` that says what matched.
-:func:`compare` orders what it returns by what a reader wants first: the headline metrics (:data:`HEADLINE_METRICS`)
-with their deltas, then the params whose values truly differ (the same number or list written two ways is equal),
-then the other final metrics. Provenance (commit, status, scene) is :func:`describe_run`'s, not a table row.
+:func:`resolve_run_ids` turns each into one run id or a :class:`~splatflow.pipeline.errors.UserError` that says what
+matched. :func:`compare` orders what it returns by what a reader wants first: the headline metrics
+(:data:`HEADLINE_METRICS`) with their deltas, then the params whose values truly differ (the same number or list written
+two ways is equal), then the other final metrics. Provenance (commit, status, scene) is :func:`describe_run`'s, not a
+table row.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The stage tracker: what a DVC stage process holds while it runs, and the one owner of its SIGTERM.
 
-:func:`stage_tracking` wraps a stage's work (``stage_main`` calls it): it installs :mod:`splatflow.pipeline.stop`'s SIGTERM
-handler before anything slow, attaches to (or creates) the scene run, and on exit records how the stage ended --
+:func:`stage_tracking` wraps a stage's work (``stage_main`` calls it): it installs :mod:`splatflow.pipeline.stop`'s
+SIGTERM handler before anything slow, attaches to (or creates) the scene run, and on exit records how the stage ended --
 FINISHED, FAILED with the error, or KILLED when it was stopped (SIGTERM, Ctrl-C), whatever exception the stop
 surfaced as.
 """

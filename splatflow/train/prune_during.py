@@ -7,8 +7,8 @@ already ends with steps that only refine a fixed set of Gaussians (densification
 step after a cut is cheaper because fewer Gaussians are drawn, so pruning costs about its scoring (progressive
 pruning during training, as in Trick-GS, rather than LightGaussian's prune-then-recover).
 
-What is kept from the prune stage: the ranking (the removal cost, :func:`splatflow.compress.scoring.removal_scores`, each
-cut made in ``score_rounds`` geometric sub-cuts re-scored in between) and the early stop against a PSNR floor on
+What is kept from the prune stage: the ranking (the removal cost, :func:`splatflow.compress.scoring.removal_scores`,
+each cut made in ``score_rounds`` geometric sub-cuts re-scored in between) and the early stop against a PSNR floor on
 TRAINING views. What differs: the cuts are fractions of the count at the first cut (geometric from 1 down to
 ``keep_final``), the score is summed over ``score_views`` evenly spaced training views instead of all of them
 (a Gaussian that no scored view sees costs zero to remove, so the scored views must cover the scene: the

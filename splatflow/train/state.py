@@ -57,7 +57,8 @@ class GaussianState:
         return self.params["means"].device
 
     def splats(self) -> Splats:
-        """The parameters as :class:`~splatflow.gaussians.model.Splats` (the same tensors: renders differentiate them)."""
+        """The parameters as :class:`~splatflow.gaussians.model.Splats` (the same tensors: renders differentiate
+        them)."""
         return Splats.of(self.params)
 
     def set_lr(self, group: str, lr: float) -> None:
