@@ -13,7 +13,8 @@ See docs/backends.md.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any, Callable, Literal
 
 import torch
 from torch import Tensor
@@ -106,11 +107,8 @@ def rasterize(
     neither joins nor splits ``[N, K, 3]`` arrays); the other backends join them.
     """
     name = resolve_backend(backend)
-    if isinstance(colors, (tuple, list)):
-        if sh_degree is None or len(colors) != 2:
-            raise ValueError("colors as a pair means SH bands (sh0 [N, 1, 3], shN [N, K-1, 3]) and needs sh_degree")
-        if name != "cpu" or means.dtype not in (torch.float32, torch.float64):
-            colors = torch.cat(list(colors), dim=1)  # [N, K, 3]
+    if isinstance(colors, (tuple, list)) and (sh_degree is None or len(colors) != 2):
+        raise ValueError("colors as a pair means SH bands (sh0 [N, 1, 3], shN [N, K-1, 3]) and needs sh_degree")
     if rasterize_mode not in ("classic", "antialiased"):
         raise ValueError(f"rasterize_mode must be 'classic' or 'antialiased', got {rasterize_mode!r}")
     if render_mode not in ("RGB", "RGB+ED"):
@@ -122,89 +120,171 @@ def rasterize(
         if tuple(t.shape) != shape:
             raise ValueError(f"{nm} must have shape {shape}, got {tuple(t.shape)}")
     if window is not None:
-        x0, y0, ww, wh = (int(v) for v in window)
+        window = tuple(int(v) for v in window)
+        x0, y0, ww, wh = window
         if not (0 <= x0 and 0 <= y0 and ww >= 1 and wh >= 1 and x0 + ww <= width and y0 + wh <= height):
             raise ValueError(f"window {window} must lie inside the {width}x{height} view")
-    if name == "cuda":
-        cam_w, cam_h = width, height
-        if window is not None:  # a camera of the window's size with a shifted principal point
-            Ks = Ks.clone()
-            Ks[:, 0, 2] -= x0
-            Ks[:, 1, 2] -= y0
-            cam_w, cam_h = ww, wh
-        img, alpha, info = _rasterize_cuda(
-            means, quats, scales, opacities, colors, viewmats, Ks, cam_w, cam_h, sh_degree=sh_degree,
-            near_plane=near_plane, far_plane=far_plane, backgrounds=backgrounds, rasterize_mode=rasterize_mode,
-            render_mode=render_mode, absgrad=absgrad, return_stats=return_stats, eps2d=eps2d, radius_clip=radius_clip)
-        info["window"] = None
-        if window is not None:
-            info.update(width=width, height=height, window=(x0, y0, ww, wh))
-        return img, alpha, info
+    request = _Request(means, quats, scales, opacities, colors, viewmats, Ks, width, height, sh_degree=sh_degree,
+                       near_plane=near_plane, far_plane=far_plane, backgrounds=backgrounds,
+                       rasterize_mode=rasterize_mode, render_mode=render_mode, absgrad=absgrad,
+                       return_stats=return_stats, eps2d=eps2d, radius_clip=radius_clip, window=window)
+    return _RENDERERS[name](request)
 
-    if name == "cpu" and means.dtype in (torch.float32, torch.float64):
-        # fused numba projection + SH with an analytic backward (the torch version below is the oracle's)
-        if sh_degree is not None:
-            parts = colors if isinstance(colors, (tuple, list)) else (colors,)
-            if any(c.dim() != 3 or c.shape[0] != N or c.shape[-1] != 3 for c in parts) or parts[0].shape[1] < 1:
-                raise ValueError(f"SH colors must be [N, K, 3] or (sh0 [N, 1, 3], shN [N, K-1, 3]); got "
-                                 f"{[tuple(c.shape) for c in parts]}")
-            K = sum(c.shape[1] for c in parts)
-            if len(parts) == 2 and parts[0].shape[1] != 1:
-                raise ValueError(f"sh0 must be [N, 1, 3]; got {tuple(parts[0].shape)}")
-            if not 0 <= sh_degree <= 3 or K < (sh_degree + 1) ** 2:
-                raise ValueError(f"sh_degree {sh_degree} needs 0..3 and (sh_degree+1)^2 <= K = {K}")
-        proj = project_cpu(means, quats, scales, opacities, colors if sh_degree is not None else None, viewmats,
-                           Ks, width, height, near_plane=near_plane, far_plane=far_plane, eps2d=eps2d,
-                           antialiased=rasterize_mode == "antialiased", radius_clip=radius_clip,
-                           sh_degree=sh_degree, window=window)
-        culled_to_window = True  # the numba projection culled what cannot reach the window itself
-        if sh_degree is not None:
-            rgb = proj["colors"]  # [C, N, 3]
-        else:
-            rgb = gaussian_colors(colors, None, means, viewmats, proj["valid"])  # [C, N, D]
-    else:
-        culled_to_window = False
-        proj = project_gaussians(means, quats, scales, opacities, viewmats, Ks, width, height,
-                                 near_plane=near_plane, far_plane=far_plane, eps2d=eps2d,
-                                 antialiased=rasterize_mode == "antialiased", radius_clip=radius_clip)
-        rgb = gaussian_colors(colors, sh_degree, means, viewmats, proj["valid"])  # [C, N, D]
+
+@dataclass(frozen=True, slots=True)
+class _Request:
+    """One :func:`rasterize` call's inputs, checked: what every backend reads."""
+
+    means: Tensor  # [N, 3]
+    quats: Tensor  # [N, 4]
+    scales: Tensor  # [N, 3]
+    opacities: Tensor  # [N]
+    colors: Tensor | tuple[Tensor, Tensor]  # [N, K, 3] SH or its (sh0, shN) pair, or [N, D] / [C, N, D] plain
+    viewmats: Tensor  # [C, 4, 4]
+    Ks: Tensor  # [C, 3, 3]
+    width: int
+    height: int
+    sh_degree: int | None
+    near_plane: float
+    far_plane: float
+    backgrounds: Tensor | None  # [C, D]
+    rasterize_mode: str
+    render_mode: str
+    absgrad: bool
+    return_stats: bool
+    eps2d: float
+    radius_clip: float
+    window: tuple[int, int, int, int] | None
+
+    @property
+    def antialiased(self) -> bool:
+        return self.rasterize_mode == "antialiased"
+
+    def joined_colors(self) -> Tensor:
+        """The colours as one tensor: SH bands as a pair joined into ``[N, K, 3]`` (for the backends that read no
+        pair)."""
+        return torch.cat(list(self.colors), dim=1) if isinstance(self.colors, (tuple, list)) else self.colors
+
+
+Rendered = tuple[Tensor, Tensor, dict[str, Any]]
+
+
+def _render_cpu(r: _Request) -> Rendered:
+    """Our tile rasterizer: the fused numba projection (float32/float64; the torch one otherwise) and the numba
+    compositing with its analytic backward."""
+    if r.means.dtype in (torch.float32, torch.float64):
+        return _composite("cpu", r, *_project_numba(r), culled_to_window=True, compositor=_composite_cpu)
+    return _composite("cpu", r, *_project_torch(r), culled_to_window=False, compositor=_composite_cpu)
+
+
+def _render_torch(r: _Request) -> Rendered:
+    """The oracle: the torch projection and dense compositing, differentiated by autograd."""
+    return _composite("torch", r, *_project_torch(r), culled_to_window=False, compositor=_composite_oracle)
+
+
+def _render_gsplat(r: _Request) -> Rendered:
+    """gsplat's CUDA rasterization; a window is rendered as a camera of the window's size with a shifted principal
+    point."""
+    Ks, cam_w, cam_h = r.Ks, r.width, r.height
+    if r.window is not None:
+        x0, y0, ww, wh = r.window
+        Ks = Ks.clone()
+        Ks[:, 0, 2] -= x0
+        Ks[:, 1, 2] -= y0
+        cam_w, cam_h = ww, wh
+    img, alpha, info = _rasterize_cuda(
+        r.means, r.quats, r.scales, r.opacities, r.joined_colors(), r.viewmats, Ks, cam_w, cam_h,
+        sh_degree=r.sh_degree, near_plane=r.near_plane, far_plane=r.far_plane, backgrounds=r.backgrounds,
+        rasterize_mode=r.rasterize_mode, render_mode=r.render_mode, absgrad=r.absgrad, return_stats=r.return_stats,
+        eps2d=r.eps2d, radius_clip=r.radius_clip)
+    info["window"] = None
+    if r.window is not None:
+        info.update(width=r.width, height=r.height, window=r.window)
+    return img, alpha, info
+
+
+#: The backends :func:`rasterize` renders with, by the name :func:`resolve_backend` gives.
+_RENDERERS: dict[str, Callable[[_Request], Rendered]] = {"cpu": _render_cpu, "cuda": _render_gsplat,
+                                                         "torch": _render_torch}
+
+
+def _project_numba(r: _Request) -> tuple[dict, Tensor]:
+    """The fused numba projection + SH with an analytic backward (the torch version is the oracle's): ``(proj,
+    colours [C, N, D])``. It culls what cannot reach the window itself."""
+    if r.sh_degree is not None:
+        parts = r.colors if isinstance(r.colors, (tuple, list)) else (r.colors,)
+        N = r.means.shape[0]
+        if any(c.dim() != 3 or c.shape[0] != N or c.shape[-1] != 3 for c in parts) or parts[0].shape[1] < 1:
+            raise ValueError(f"SH colors must be [N, K, 3] or (sh0 [N, 1, 3], shN [N, K-1, 3]); got "
+                             f"{[tuple(c.shape) for c in parts]}")
+        K = sum(c.shape[1] for c in parts)
+        if len(parts) == 2 and parts[0].shape[1] != 1:
+            raise ValueError(f"sh0 must be [N, 1, 3]; got {tuple(parts[0].shape)}")
+        if not 0 <= r.sh_degree <= 3 or K < (r.sh_degree + 1) ** 2:
+            raise ValueError(f"sh_degree {r.sh_degree} needs 0..3 and (sh_degree+1)^2 <= K = {K}")
+    proj = project_cpu(r.means, r.quats, r.scales, r.opacities, r.colors if r.sh_degree is not None else None,
+                       r.viewmats, r.Ks, r.width, r.height, near_plane=r.near_plane, far_plane=r.far_plane,
+                       eps2d=r.eps2d, antialiased=r.antialiased, radius_clip=r.radius_clip, sh_degree=r.sh_degree,
+                       window=r.window)
+    if r.sh_degree is not None:
+        return proj, proj["colors"]  # [C, N, 3]
+    return proj, gaussian_colors(r.colors, None, r.means, r.viewmats, proj["valid"])  # [C, N, D]
+
+
+def _project_torch(r: _Request) -> tuple[dict, Tensor]:
+    """The torch projection of the whole view and the colours it sees: ``(proj, colours [C, N, D])``."""
+    proj = project_gaussians(r.means, r.quats, r.scales, r.opacities, r.viewmats, r.Ks, r.width, r.height,
+                             near_plane=r.near_plane, far_plane=r.far_plane, eps2d=r.eps2d,
+                             antialiased=r.antialiased, radius_clip=r.radius_clip)
+    return proj, gaussian_colors(r.joined_colors(), r.sh_degree, r.means, r.viewmats, proj["valid"])  # [C, N, D]
+
+
+def _composite_cpu(r: _Request, means2d, proj, feats, radii, out_w, out_h, bgs):
+    return rasterize_cpu(means2d, proj["conics"], feats, proj["opacities"], radii, proj["depths"], out_w, out_h,
+                         backgrounds=bgs, absgrad=r.absgrad, return_stats=r.return_stats)
+
+
+def _composite_oracle(r: _Request, means2d, proj, feats, radii, out_w, out_h, bgs):
+    out = rasterize_oracle(means2d, proj["conics"], feats, proj["opacities"], radii, proj["depths"], out_w, out_h,
+                           backgrounds=bgs, return_stats=r.return_stats)
+    if r.absgrad and means2d.requires_grad:
+        # The oracle goes through autograd, which has no per-pixel |grad| sum; the training path uses "cpu".
+        raise NotImplementedError("absgrad=True is supported by the 'cpu' and 'cuda' backends, not 'torch'")
+    return out
+
+
+def _composite(name: str, r: _Request, proj: dict, rgb: Tensor, *, culled_to_window: bool,
+               compositor: Callable) -> Rendered:
+    """Composite projected Gaussians front to back in 16x16 tiles (``compositor``: the numba kernels or the oracle),
+    in window pixel coordinates with a window, and build the ``info`` dict gsplat's strategies read."""
+    C = r.viewmats.shape[0]
     means2d = proj["means2d"]  # [C, N, 2]
     radii = proj["radii"]
-    out_w, out_h = width, height
-    if window is not None:
+    out_w, out_h = r.width, r.height
+    if r.window is not None:
+        x0, y0, ww, wh = r.window
         # composite in window pixel coordinates; Gaussians that cannot reach the window count as not visible (the
         # torch projection knows only the whole view: the same test as the numba projection's, done here)
         means2d = means2d - means2d.new_tensor([x0, y0])
         if not culled_to_window:
-            r = radii if radii.dim() == 3 else radii[..., None].expand(*radii.shape, 2)
+            rr = radii if radii.dim() == 3 else radii[..., None].expand(*radii.shape, 2)
             m = means2d.detach()
-            reach = ((m[..., 0] + r[..., 0] > 0) & (m[..., 0] - r[..., 0] < ww)
-                     & (m[..., 1] + r[..., 1] > 0) & (m[..., 1] - r[..., 1] < wh))
+            reach = ((m[..., 0] + rr[..., 0] > 0) & (m[..., 0] - rr[..., 0] < ww)
+                     & (m[..., 1] + rr[..., 1] > 0) & (m[..., 1] - rr[..., 1] < wh))
             radii = torch.where(reach[..., None] if radii.dim() == 3 else reach, radii, torch.zeros_like(radii))
         out_w, out_h = ww, wh
     feats = rgb
-    bgs = backgrounds
-    if render_mode == "RGB+ED":
+    bgs = r.backgrounds
+    if r.render_mode == "RGB+ED":
         feats = torch.cat([rgb, proj["depths"][..., None]], dim=-1)  # [C, N, D+1]
         if bgs is not None:
             bgs = torch.cat([bgs, bgs.new_zeros(C, 1)], dim=-1)  # depth background is 0
     if bgs is not None and tuple(bgs.shape) != (C, feats.shape[-1]):
-        raise ValueError(f"backgrounds must be [C, {feats.shape[-1] - (render_mode == 'RGB+ED')}], got {tuple(backgrounds.shape)}")
+        raise ValueError(f"backgrounds must be [C, {feats.shape[-1] - (r.render_mode == 'RGB+ED')}], got "
+                         f"{tuple(r.backgrounds.shape)}")
 
-    if name == "cpu":
-        img, alpha, hits, wsum = rasterize_cpu(
-            means2d, proj["conics"], feats, proj["opacities"], radii, proj["depths"], out_w, out_h,
-            backgrounds=bgs, absgrad=absgrad, return_stats=return_stats,
-        )
-    else:
-        img, alpha, hits, wsum = rasterize_oracle(
-            means2d, proj["conics"], feats, proj["opacities"], radii, proj["depths"], out_w, out_h,
-            backgrounds=bgs, return_stats=return_stats,
-        )
-        if absgrad and means2d.requires_grad:
-            # The oracle goes through autograd, which has no per-pixel |grad| sum; the training path uses "cpu".
-            raise NotImplementedError("absgrad=True is supported by the 'cpu' and 'cuda' backends, not 'torch'")
-    if render_mode == "RGB+ED":
+    img, alpha, hits, wsum = compositor(r, means2d, proj, feats, radii, out_w, out_h, bgs)
+    if r.render_mode == "RGB+ED":
         img = torch.cat([img[..., :-1], img[..., -1:] / alpha.clamp(min=1e-10)], dim=-1)
 
     tw, th = tile_grid(out_w, out_h, TILE)
@@ -218,16 +298,16 @@ def rasterize(
         "depths": proj["depths"],
         "conics": proj["conics"],
         "opacities": proj["opacities"],
-        "width": width,
-        "height": height,
+        "width": r.width,
+        "height": r.height,
         "tile_size": TILE,
         "tile_width": tw,
         "tile_height": th,
         "n_batches": 1,
         "n_cameras": C,
-        "window": None if window is None else (x0, y0, out_w, out_h),
+        "window": None if r.window is None else (r.window[0], r.window[1], out_w, out_h),
     }
-    if return_stats:
+    if r.return_stats:
         info["hit_count"] = hits
         info["weight_sum"] = wsum
     return img, alpha, info
