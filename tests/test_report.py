@@ -210,14 +210,14 @@ def test_error_map_scale_reads_as_the_maps_colours():
     import torch
 
     from splatflow.evaluation.evaluate import error_heatmap
-    from splatflow.present.report import CSS, error_scale_html
+    from splatflow.present.report import error_scale_html, page_css
 
     gain = 4.0
     legend = error_scale_html(gain)
     assert 'data-max="0.25"' in legend and "evaluate.error_gain = 4" in legend
     ticks = [float(t) for t in re.findall(r'left:[0-9.]+%">([0-9.]+)<', legend)]
     assert ticks == pytest.approx([0.0, 0.25 / 3, 0.5 / 3, 0.25], rel=1e-2)
-    stops = re.findall(r"#([0-9a-f]{3}) ([0-9.]+)%", CSS.split("linear-gradient", 1)[1].split(")", 1)[0])
+    stops = re.findall(r"#([0-9a-f]{3}) ([0-9.]+)%", page_css().split("linear-gradient", 1)[1].split(")", 1)[0])
     assert len(stops) == 4
     for colour, pct in stops:
         err = float(pct) / 100 / gain  # the mean absolute error the ramp stands for at this stop

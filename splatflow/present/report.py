@@ -8,7 +8,8 @@ error map, and an interactive 3D view of the exported splat.
 Self-contained means: the images are embedded as ``data:`` URIs, the splat is embedded as SPZ bytes (cut to the
 ``report.preview_max_gaussians`` most important Gaussians when larger, the full exported files linked beside it),
 and the renderer script (Spark on three.js, bundled from the npm registry by :mod:`splatflow.present.webbundle`) is
-inlined. Nothing is fetched when the page opens.
+inlined. Nothing is fetched when the page opens. The page's markup and style sheet are the templates in
+``templates/`` (``report.html``, ``report.css``); this module computes what fills them.
 
 Frames: our world follows COLMAP (x right, y down, z forward) and so do the embedded SPZ coordinates (written with
 ``from_coordinates="none"``, i.e. unchanged). A three.js camera looks down its -z axis with +y up, so each COLMAP
@@ -18,11 +19,13 @@ camera-to-world matrix is multiplied by diag(1, -1, -1) on the camera side (:fun
 from __future__ import annotations
 
 import base64
+import functools
 import html
 import io
 import json
 import math
 import os
+import string
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -334,28 +337,18 @@ def _row(label: str, cell: str, note: str = "") -> str:
 LPIPS_NAMES = {"lpips_vgg_01": "LPIPS (VGG, inputs [0,1]: 3DGS paper code)",
                "lpips_vgg": "LPIPS (VGG, inputs [-1,1])", "lpips_alex": "LPIPS (AlexNet, inputs [-1,1]: gsplat)"}
 
-CSS = """
-body{font:14px/1.45 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:0;color:#1d232a;background:#f6f7f9}
-main{max-width:1180px;margin:0 auto;padding:18px 22px 60px}
-h1{font-size:22px;margin:4px 0 2px}h2{font-size:17px;margin:28px 0 8px;border-bottom:1px solid #d8dde3}
-.sub{color:#5b6670;margin:0 0 12px}
-table{border-collapse:collapse;background:#fff}th,td{padding:4px 10px;border-bottom:1px solid #eceff2;
-text-align:left;vertical-align:top}th{font-weight:600;white-space:nowrap}td.note{color:#6b7680;font-size:12px}
-.value{font-variant-numeric:tabular-nums;font-weight:600}.unit{color:#6b7680}
-.grid{display:flex;flex-wrap:wrap;gap:18px}.card{background:#fff;padding:10px;border:1px solid #e1e5ea}
-#viewer{position:relative;background:BG;border:1px solid #333;max-width:100%}
-#viewer canvas{display:block}
-.cams{margin:6px 0 0;display:flex;flex-wrap:wrap;gap:4px}
-.cams button{font:12px system-ui;border:1px solid #bbb;background:#fff;border-radius:3px;padding:1px 6px;cursor:pointer}
-.cams button.test{border-color:#d9822b;color:#a85a12}
-figure{margin:0 0 16px}figure img{max-width:100%;display:block;border:1px solid #e1e5ea}
-figcaption{font-size:12px;color:#5b6670}
-.errscale{font-size:12px;color:#5b6670;margin:0 0 22px}.errscale .ramp{display:inline-block;position:relative;
-width:240px;height:12px;margin:0 8px 0 6px;vertical-align:middle}.errscale .ramp i{position:absolute;inset:0;
-border:1px solid #c9d0d7;background:linear-gradient(90deg,#000 0%,#f00 33.33%,#ff0 66.67%,#fff 100%)}
-.errscale .ramp span{position:absolute;top:13px;transform:translateX(-50%);font-size:11px}
-code{background:#eef1f4;padding:0 3px;border-radius:2px}
-""".replace("BG", BACKGROUND)
+#: The page's HTML and CSS, with ``$name`` placeholders (:class:`string.Template`).
+TEMPLATES = Path(__file__).resolve().parent / "templates"
+
+
+@functools.cache
+def _template(name: str) -> string.Template:
+    return string.Template((TEMPLATES / name).read_text(encoding="utf-8"))
+
+
+def page_css() -> str:
+    """The report's style sheet (``templates/report.css``), the viewer's clear colour filled in."""
+    return _template("report.css").substitute(background=BACKGROUND)
 
 
 def error_scale_html(error_gain: float) -> str:
@@ -494,66 +487,22 @@ def build_report(paths: ScenePaths, cfg: ReportConfig | None = None, *, max_psnr
     cfg_json = json.dumps(view_cfg).replace("</", "<\\/")
     bundle_js = bundle.replace("</script", "<\\/script")
     spz_b64 = base64.b64encode(spz).decode("ascii")
-    page = f"""<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
-<title>{html.escape(title)}</title><style>{CSS}</style></head>
-<body><main>
-<h1>{html.escape(title)}</h1>
-<p class=sub>Scene <code>{html.escape(paths.scene)}</code>. Every number below is read from
-<code>metrics/{html.escape(paths.scene)}/*.json</code>; this page is self-contained (open it from disk, offline).</p>
-
-<h2>The splat</h2>
-<div id="viewer" style="width:{view_w}px;height:{view_h}px"></div>
-<p class=sub>Drag to orbit, right-drag to pan, scroll to zoom. Cameras (training in grey, <span
-style="color:#a85a12">test in orange</span>): click one to fly to it.</p>
-<div class=cams>{cams_html}</div>
-<p class=sub>Preview: {preview_note}, SH degree {prev_degree}, {len(spz) / 2**20:.2f} MiB embedded. Full model:
-<a href="{html.escape(rel(model_file))}">{html.escape(model_file.name)}</a>; interactive viewer with all
-controls: <code>splatflow view {html.escape(paths.scene)}</code>.</p>
-
-<h2>Headline metrics</h2>
-<table id="headline">{headline}</table>
-<p class=sub>{html.escape(protocol.get("views", ""))}. {html.escape(protocol.get("color", ""))}.</p>
-
-<h2>Structure from motion</h2>
-<table id="sfm">{sfm_rows}</table>
-
-<h2>Training</h2>
-{f'<figure><img alt="training curves" src="{curves}"></figure>' if curves else '<p class=sub>no training log (plots/S/train.csv)</p>'}
-
-<h2>Pruning</h2>
-{f'<figure><img alt="pruning curve" src="{prune_png}"></figure>' if prune_png else '<p class=sub>no pruning phases ran</p>'}
-<p class=sub>{html.escape(str(pr.get("stop_reason") or "")) or f"{len(pr.get('phases') or [])} phases, all kept."}</p>
-
-<h2>Test views</h2>
-{error_scale_html(error_gain) if figures else ''}
-{''.join(figures) or '<p class=sub>no renders (evaluate.save_renders is off)</p>'}
-{more}
-</main>
-<script id="splat-data" type="application/octet-stream">{spz_b64}</script>
-<script id="viewer-config" type="application/json">{cfg_json}</script>
-<script>{bundle_js}</script>
-<script>
-(function () {{
-  var el = document.getElementById("viewer");
-  try {{
-    var cfg = JSON.parse(document.getElementById("viewer-config").textContent);
-    var b64 = document.getElementById("splat-data").textContent;
-    var raw = atob(b64), bytes = new Uint8Array(raw.length);
-    for (var i = 0; i < raw.length; i++) bytes[i] = raw.charCodeAt(i);
-    cfg.bytes = bytes;
-    var v = window.SplatflowViewer.mount(el, cfg);
-    document.querySelectorAll(".cams button").forEach(function (b) {{
-      b.addEventListener("click", function () {{ v.flyTo(cfg.cameras[+b.dataset.cam]); }});
-    }});
-  }} catch (err) {{
-    el.dataset.state = "error"; el.dataset.error = String(err);
-    el.textContent = "3D viewer failed: " + err;
-  }}
-}})();
-</script>
-</body></html>
-"""
+    page = _template("report.html").substitute(
+        title=html.escape(title), css=page_css(), scene=html.escape(paths.scene), view_w=view_w, view_h=view_h,
+        cams=cams_html, preview_note=preview_note, preview_sh_degree=prev_degree,
+        preview_mib=f"{len(spz) / 2**20:.2f}", model_href=html.escape(rel(model_file)),
+        model_name=html.escape(model_file.name), headline=headline,
+        views_note=html.escape(protocol.get("views", "")), color_note=html.escape(protocol.get("color", "")),
+        sfm_rows=sfm_rows,
+        training=(f'<figure><img alt="training curves" src="{curves}"></figure>' if curves
+                  else "<p class=sub>no training log (plots/S/train.csv)</p>"),
+        pruning=(f'<figure><img alt="pruning curve" src="{prune_png}"></figure>' if prune_png
+                 else "<p class=sub>no pruning phases ran</p>"),
+        prune_note=(html.escape(str(pr.get("stop_reason") or ""))
+                    or f"{len(pr.get('phases') or [])} phases, all kept."),
+        error_scale=error_scale_html(error_gain) if figures else "",
+        figures="".join(figures) or "<p class=sub>no renders (evaluate.save_renders is off)</p>",
+        more=more, spz_b64=spz_b64, viewer_config=cfg_json, viewer_script=bundle_js)
     paths.report_dir.mkdir(parents=True, exist_ok=True)
     out = paths.report_html
     tmp = out.with_suffix(".html.tmp")
