@@ -17,8 +17,9 @@ import signal
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Iterator, Optional
 
 import typer
 
@@ -130,6 +131,33 @@ SERVERS, FLOWS, RESULTS = "Servers and schedules", "Prefect flows", "Results"
 
 
 
+@contextmanager
+def _until_stopped(stopping: str, stop_all: Callable[[], object]) -> Iterator[dict]:
+    """The block serves until SIGTERM (which sets the yielded ``stop["now"]``) or Ctrl-C ends it; whatever ends it,
+    ``stop_all`` stops the servers, between two lines that say so."""
+    stop = {"now": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("now", True))
+    try:
+        yield stop
+    except KeyboardInterrupt:
+        pass
+    finally:
+        typer.echo(stopping)
+        stop_all()
+        typer.echo("stopped")
+
+
+def _watch(stop: dict, watched: list[tuple[Callable[[], bool], Callable[[], str]]]) -> None:
+    """Once a second, ``(alive, exited)`` for each server: the first one found dead ends the watch, its ``exited()``
+    message (its log's tail) in red; so does ``stop["now"]``."""
+    while not stop["now"]:
+        for alive, exited in watched:
+            if not alive():
+                typer.secho(exited(), fg=typer.colors.RED, err=True)
+                stop["now"] = True
+        time.sleep(1)
+
+
 @servers_app.command("ui", rich_help_panel=SERVERS)
 def ui(prefect_port: int = typer.Option(servers.PREFECT_PORT, min=1, max=65535, help="Prefect server port"),
        mlflow_port: int = typer.Option(servers.MLFLOW_PORT, min=1, max=65535, help="MLflow server port"),
@@ -171,27 +199,9 @@ def ui(prefect_port: int = typer.Option(servers.PREFECT_PORT, min=1, max=65535, 
     typer.echo(f"\nIn other shells:\n  export PREFECT_API_URL={pf.url}/api\n"
                f"  export MLFLOW_TRACKING_URI=sqlite:///{root / 'mlflow.db'}   # or {ml.url}\n"
                "Ctrl-C stops both servers.")
-    stop = {"now": False}
-
-    def handler(signum, frame):  # noqa: ARG001
-        stop["now"] = True
-
-    signal.signal(signal.SIGTERM, handler)
-    try:
-        while not stop["now"]:
-            for s in started:
-                if not s.alive():
-                    typer.secho(f"{s.name} server exited ({s.proc.returncode}); log {s.log}:\n{s.tail()}",
-                                fg=typer.colors.RED, err=True)
-                    stop["now"] = True
-            time.sleep(1)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        typer.echo("stopping servers ...")
-        for s in started:
-            s.stop()
-        typer.echo("stopped")
+    with _until_stopped("stopping servers ...", lambda: [s.stop() for s in started]) as stop:
+        _watch(stop, [(s.alive, lambda s=s: f"{s.name} server exited ({s.proc.returncode}); log {s.log}:\n{s.tail()}")
+                      for s in started])
 
 
 @servers_app.command("serve", rich_help_panel=SERVERS)
@@ -271,9 +281,7 @@ def _serve_shared(pool: str, host: str, advertise: Optional[str], prefect_port: 
     stack = shared.start_shared(state, host=host, advertise=advertise, prefect_port=prefect_port,
                                 mlflow_port=mlflow_port, pg_port=pg_port, dvc_remote=dvc_remote,
                                 timeout_s=start_timeout)
-    stop = {"now": False}
-    signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("now", True))
-    try:
+    with _until_stopped("stopping the shared services ...", stack.stop) as stop:
         os.environ["PREFECT_API_URL"] = stack.settings["PREFECT_API_URL"]
         from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -293,21 +301,9 @@ def _serve_shared(pool: str, host: str, advertise: Optional[str], prefect_port: 
                    f"On each worker host (a clone of the project, `make venv`):\n"
                    f"  .venv/bin/splatflow worker --server {server} --clone $PWD\n"
                    f"In your checkout: `splatflow batch --hosts` (reads {cfg}). Ctrl-C stops the services.")
-        while not stop["now"]:
-            for s in (stack.prefect, stack.mlflow):
-                if not s.alive():
-                    typer.secho(f"{s.name} server exited; log {s.log}:\n{s.tail()}", fg="red", err=True)
-                    stop["now"] = True
-            if not stack.cluster.alive():
-                typer.secho(f"PostgreSQL exited; log {stack.cluster.log}", fg="red", err=True)
-                stop["now"] = True
-            time.sleep(1)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        typer.echo("stopping the shared services ...")
-        stack.stop()
-        typer.echo("stopped")
+        _watch(stop, [*((s.alive, lambda s=s: f"{s.name} server exited; log {s.log}:\n{s.tail()}")
+                        for s in (stack.prefect, stack.mlflow)),
+                      (stack.cluster.alive, lambda: f"PostgreSQL exited; log {stack.cluster.log}")])
 
 
 @servers_app.command("worker", rich_help_panel=SERVERS)
