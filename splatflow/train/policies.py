@@ -1,14 +1,21 @@
 """The training policies a run is built from (the hooks: :mod:`.hooks`): densification, the spatial order of
-the rows, pruning during training (:mod:`.prune_during`), and the optimizer step (one per run: :class:`AdamStep`,
-:class:`VisibleAdamStep` or :class:`SparseStep`, ``train.sparse_step``, :mod:`.sparse`; each says whether a step
-renders only its candidate rows, ``sparse``, and makes the step, ``step(gs, info)``). :func:`for_run` builds them
-from the train settings; the loop calls their hooks in order and never asks which policy it is.
+the rows, pruning during training (:mod:`.prune_during`), the per-view appearance transforms (:mod:`.appearance`),
+and the optimizer step (one per run: :class:`AdamStep`, :class:`VisibleAdamStep` or :class:`SparseStep`,
+``train.sparse_step``, :mod:`.sparse`; each says whether a step renders only its candidate rows, ``sparse``, and
+makes the step, ``step(gs, info)``). :func:`for_run` builds them from the train settings as a :class:`RunPolicies`:
+the loop calls their hooks in order and never asks which policy it is; the run reads the ones whose state it
+checkpoints and reports by name, as :func:`for_run` hands them over.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field, replace
+
+import torch
+
 from splatflow.pipeline.config import TrainConfig
 from splatflow.gaussians.model import SPLAT_KEYS
+from splatflow.train.appearance import Appearance
 from splatflow.train.hooks import Policy
 from splatflow.train.prune_during import PruneDuring
 from splatflow.train.state import GaussianState
@@ -98,25 +105,44 @@ def sparse_ok(cfg: TrainConfig, cpu: bool, dens: Densify | None) -> bool:
     return cfg.sparse_step and cpu and not cfg.visible_adam and (dens is None or dens.sparse_compatible)
 
 
-def for_run(cfg: TrainConfig, *, cpu: bool, densify: bool, initial_count: int) -> tuple[list[Policy], AdamStep]:
-    """The hook policies of a run, in hook order (densification, the spatial order on the CPU, pruning during
-    training; those switched on, none but the spatial order for ``densify=False``), and its optimizer step."""
+@dataclass
+class RunPolicies:
+    """A run's policies: ``hooks`` in hook order (what the loop calls), the optimizer step, and by name the ones
+    the run itself reads (the densification's strategy; the pruner's and the appearance transforms' checkpointed
+    state and report), None when switched off."""
+
+    hooks: list[Policy] = field(default_factory=list)
+    adam: AdamStep = field(default_factory=AdamStep)
+    densify: Densify | None = None
+    pruner: PruneDuring | None = None
+    appearance: Appearance | None = None
+
+
+def for_run(cfg: TrainConfig, *, cpu: bool, densify: bool, initial_count: int, n_views: int,
+            device: torch.device | str = "cpu") -> RunPolicies:
+    """The policies of a run of ``n_views`` training views: the hooks in hook order (densification, the spatial
+    order on the CPU, pruning during training, the appearance transforms; those switched on, none but the spatial
+    order and the appearance transforms for ``densify=False``), and its optimizer step."""
     strategy = make_strategy(cfg.densify, max_steps=cfg.max_steps, initial_count=initial_count) if densify else None
     dens = Densify(strategy) if strategy is not None else None
     pruner = PruneDuring.from_config(cfg.prune_during, cfg.max_steps) if densify and cfg.prune_during.enabled \
         else None
     order = SpatialOrder() if cfg.spatial_order and cpu else None
+    # train.appearance: a colour transform per training view between the render and the loss
+    appearance = Appearance(n_views, cfg.appearance, cfg.max_steps, device) if cfg.appearance.enabled else None
     adam = SparseStep() if sparse_ok(cfg, cpu, dens) else VisibleAdamStep() if cfg.visible_adam else AdamStep()
-    return [p for p in (dens, order, pruner) if p is not None], adam
+    return RunPolicies([p for p in (dens, order, pruner, appearance) if p is not None], adam, dens, pruner,
+                       appearance)
 
 
-def with_strategy(policies: list[Policy], adam: AdamStep, gs: GaussianState, strategy: Strategy,
-                  scene_scale: float) -> tuple[list[Policy], AdamStep]:
+def with_strategy(policies: RunPolicies, gs: GaussianState, strategy: Strategy, scene_scale: float) -> RunPolicies:
     """``policies`` with ``strategy`` plugged in for the densification (its state fresh in ``gs``). One that may
     touch every row at any step ends the sparse step: every row is brought up to date and the steps are dense."""
     dens = Densify(strategy)
     dens.initialize(gs, scene_scale)
+    adam = policies.adam
     if adam.sparse and not dens.sparse_compatible:
         gs.go_dense()
         adam = AdamStep()
-    return [dens] + [p for p in policies if not isinstance(p, Densify)], adam
+    return replace(policies, hooks=[dens] + [p for p in policies.hooks if p is not policies.densify], adam=adam,
+                   densify=dens)

@@ -77,17 +77,13 @@ class TrainingRun:
             splats = splats if perm is None else {k: splats[k].index_select(0, perm) for k in SPLAT_KEYS}
         splats = Splats.of(splats, "the initial splats").validate("the initial splats", "check where they come from")
         self.initial_count = splats.n
-        self.policies, self.adam = policies.for_run(cfg, cpu=cpu, densify=densify, initial_count=splats.n)
-        # train.appearance: a colour transform per training view between the render and the loss
-        self.appearance = Appearance(len(self.views), cfg.appearance, cfg.max_steps, self.device) \
-            if cfg.appearance.enabled else None
-        self.policies += [self.appearance] if self.appearance is not None else []
+        self.run_policies = policies.for_run(cfg, cpu=cpu, densify=densify, initial_count=splats.n,
+                                             n_views=len(self.views), device=self.device)
         lrs = {"means": self.sched.means_lr.lr(0), "scales": cfg.lr.scales, "quats": cfg.lr.quats,
                "opacities": cfg.lr.opacities, "sh0": cfg.lr.sh0, "shN": cfg.lr.shN}
         self.state = GaussianState(splats, lrs, self.device, sparse=self.adam.sparse)
         for p in self.policies:
             p.initialize(self.state, self.scene_scale)
-        self.pruner = next((p for p in self.policies if isinstance(p, PruneDuring)), None)  # its report, its state
         es = cfg.early_stop
         patience = max(es.eval_every, int(round(es.patience_steps * cfg.max_steps / es.reference_steps)))
         self.stopper = PlateauStopper(patience, es.min_delta_db,
@@ -101,14 +97,33 @@ class TrainingRun:
         self._identity: dict | None = None
 
     @property
+    def policies(self) -> list:
+        """The hook policies in hook order (:func:`splatflow.train.policies.for_run`)."""
+        return self.run_policies.hooks
+
+    @property
+    def adam(self) -> policies.AdamStep:
+        """The run's optimizer step."""
+        return self.run_policies.adam
+
+    @property
+    def pruner(self) -> PruneDuring | None:
+        """Pruning during training (its state checkpointed, its report in the result), or None."""
+        return self.run_policies.pruner
+
+    @property
+    def appearance(self) -> Appearance | None:
+        """The per-view appearance transforms (their state checkpointed, their report in the result), or None."""
+        return self.run_policies.appearance
+
+    @property
     def strategy(self):
         """The densification strategy (gsplat's protocol), or None; assigning one plugs it in (a fresh state)."""
-        return next((p.strategy for p in self.policies if isinstance(p, policies.Densify)), None)
+        return self.run_policies.densify.strategy if self.run_policies.densify is not None else None
 
     @strategy.setter
     def strategy(self, strategy) -> None:
-        self.policies, self.adam = policies.with_strategy(self.policies, self.adam, self.state, strategy,
-                                                          self.scene_scale)
+        self.run_policies = policies.with_strategy(self.run_policies, self.state, strategy, self.scene_scale)
 
     # ------------------------------------------------------------------------------------------ rendering
     def render(self, i: int, factor: float, sh_degree: int, background: torch.Tensor | None = None,
