@@ -17,23 +17,13 @@ import torch
 
 from splatflow.pipeline.config import EvaluateConfig, TrainConfig
 from splatflow.evaluation.evaluate import evaluate_scene
-from splatflow.gaussians.model import Checkpoint, Splats, render_view
+from splatflow.gaussians.model import Checkpoint, render_view
 from splatflow.scene.dataset import load_scene
 from splatflow.train import Trainer, train
 from splatflow.train.appearance import Appearance
-from tests._tiny import write_tiny_scene
+from tests._tiny import mean_view_psnr, scene, scene_dir, tiny_train_cfg  # noqa: F401 (fixtures)
 
 GAINS = (0.6, 1.35, 0.75, 1.0, 1.25, 0.7, 1.3, 1.0, 0.8, 1.2)  # one exposure factor per view (test views: 3, 7)
-
-
-@pytest.fixture(scope="module")
-def scene_dir(tmp_path_factory):
-    return write_tiny_scene(tmp_path_factory.mktemp("tiny_scene"))
-
-
-@pytest.fixture(scope="module")
-def scene(scene_dir):
-    return load_scene(scene_dir, scene_dir / "split.json")
 
 
 @pytest.fixture(scope="module")
@@ -48,24 +38,9 @@ def exposed_scene(scene_dir, tmp_path_factory):
 
 
 def cfg_for(steps: int = 300, **appearance) -> TrainConfig:
-    cfg = TrainConfig(max_steps=steps, backend="cpu", progress=False, sh_degree_interval=max(1, steps // 4))
-    return replace(cfg, densify=replace(cfg.densify, refine_every=25, reset_every=0),
-                   early_stop=replace(cfg.early_stop, enabled=False),
-                   prune_during=replace(cfg.prune_during, enabled=False),
+    cfg = tiny_train_cfg(steps)
+    return replace(cfg, early_stop=replace(cfg.early_stop, enabled=False),
                    appearance=replace(cfg.appearance, **appearance))
-
-
-@torch.no_grad()
-def test_view_psnr(splats, views, sh_degree) -> float:
-    vals = []
-    for v in views:
-        target = torch.from_numpy(cv2.imread(str(v.image_path))[..., ::-1].copy()).float() / 255.0
-        rgb = render_view(Splats.of(splats), v, sh_degree, "cpu")
-        vals.append(-10 * math.log10(float(((rgb - target) ** 2).mean())))
-    return float(np.mean(vals))
-
-
-test_view_psnr.__test__ = False
 
 
 def test_transforms_start_at_identity_and_stay_centred():
@@ -83,8 +58,8 @@ def test_one_exposure_trains_the_same_splat_and_the_transforms_stay_near_identit
     plain = train(scene, cfg_for(300), seed=0)
     tr = Trainer(scene, cfg_for(300, enabled=True), seed=0)
     comp = tr.run()
-    p0 = test_view_psnr(plain.splats, scene.test_views, plain.sh_degree)
-    p1 = test_view_psnr(comp.splats, scene.test_views, comp.sh_degree)
+    p0 = mean_view_psnr(plain.splats, scene.test_views, plain.sh_degree)
+    p1 = mean_view_psnr(comp.splats, scene.test_views, comp.sh_degree)
     assert abs(p1 - p0) < 0.5, (p0, p1)
     assert tr.appearance.report()["max_deviation"] < 0.15, tr.appearance.report()
 
@@ -93,8 +68,8 @@ def test_varied_exposures_train_a_better_splat_and_the_transforms_find_them(expo
     plain = train(exposed_scene, cfg_for(400), seed=0)
     tr = Trainer(exposed_scene, cfg_for(400, enabled=True, start_fraction=0.0, lr=5e-3), seed=0)
     comp = tr.run()
-    p0 = test_view_psnr(plain.splats, exposed_scene.test_views, plain.sh_degree)
-    p1 = test_view_psnr(comp.splats, exposed_scene.test_views, comp.sh_degree)
+    p0 = mean_view_psnr(plain.splats, exposed_scene.test_views, plain.sh_degree)
+    p1 = mean_view_psnr(comp.splats, exposed_scene.test_views, comp.sh_degree)
     assert p1 > p0 + 0.5, (p0, p1)
     # the learnt gain of each training view (mean of its matrix's diagonal) follows the exposure it was given
     names = [v.name for v in tr.views]

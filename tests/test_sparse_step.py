@@ -19,7 +19,7 @@ from splatflow.train.loop import photometric_loss
 from splatflow.train.sparse import SparseAdam, candidates
 from splatflow.train.windows import level_budget, patch_window
 from tests.test_train import small_cfg, train_off_and_on
-from tests.test_train import scene, scene_dir  # noqa: F401 - the module's fixtures
+from tests._tiny import scene, scene_dir  # noqa: F401 - the module's fixtures
 
 
 @pytest.fixture(autouse=True)

@@ -13,7 +13,7 @@ from splatflow.render import configure_threads
 from splatflow.train import Trainer
 from splatflow.train.rows import morton_codes, spatial_order
 from tests.test_train import small_cfg, train_off_and_on
-from tests.test_train import scene, scene_dir  # noqa: F401 - the module's fixtures
+from tests._tiny import scene, scene_dir  # noqa: F401 - the module's fixtures
 
 
 @pytest.fixture(autouse=True)

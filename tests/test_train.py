@@ -19,50 +19,21 @@ import pytest
 import torch
 
 from splatflow.pipeline.config import TrainConfig, params_from_dict
-from splatflow.gaussians.model import Splats, init_splats, load_checkpoint, load_splats, render_view
+from splatflow.gaussians.model import Splats, init_splats, load_checkpoint, load_splats
 from splatflow.render import configure_threads
 from splatflow.train import GradientHealthError, Trainer, finetune, photometric_loss, train
 from splatflow.train.guards import DeferredChecks, StepChecks
 from splatflow.train.loop import CSV_FIELDS
 from splatflow.train.policies import VisibleAdamStep
-from tests._tiny import write_tiny_scene
+from tests._tiny import mean_view_psnr, scene, scene_dir, tiny_train_cfg  # noqa: F401 (fixtures)
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def scene_dir(tmp_path_factory):
-    return write_tiny_scene(tmp_path_factory.mktemp("tiny_scene"))
-
-
-@pytest.fixture(scope="module")
-def scene(scene_dir):
-    from splatflow.scene.dataset import load_scene
-
-    return load_scene(scene_dir, scene_dir / "split.json")
-
-
 def small_cfg(max_steps=300, **kw) -> TrainConfig:
-    cfg = TrainConfig(max_steps=max_steps, backend="cpu", progress=False, sh_degree_interval=max(1, max_steps // 4))
-    # the training mechanics alone: pruning during training has tests of its own (tests/test_prune_during.py)
-    cfg = replace(cfg, densify=replace(cfg.densify, refine_every=25, reset_every=0),
-                  early_stop=replace(cfg.early_stop, eval_every=50, val_views=2),
-                  prune_during=replace(cfg.prune_during, enabled=False))
-    return replace(cfg, **kw)
-
-
-@torch.no_grad()
-def mean_view_psnr(splats, views, sh_degree) -> float:
-    """Mean PSNR (dB) of the renders of ``views`` against their image files."""
-    vals = []
-    import cv2
-
-    for v in views:
-        target = torch.from_numpy(cv2.imread(str(v.image_path))[..., ::-1].copy()).float() / 255.0
-        rgb = render_view(Splats.of(splats), v, sh_degree, "cpu")  # [H, W, 3] in [0, 1]
-        mse = float(((rgb - target) ** 2).mean())
-        vals.append(-10 * math.log10(mse))
-    return float(np.mean(vals))
+    """The training mechanics alone (pruning during training has tests of its own), validated every 50 steps."""
+    cfg = tiny_train_cfg(max_steps)
+    return replace(cfg, early_stop=replace(cfg.early_stop, eval_every=50, val_views=2), **kw)
 
 
 
