@@ -51,6 +51,9 @@ export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$($py -c \
   "import torch; print('%d.%d' % torch.cuda.get_device_capability())" 2>/dev/null || echo "")}
 stamp() { date +%s; }
+# pytest as every phase runs it: quiet, every outcome listed (-rA), no cache folder, the project's addopts off,
+# within TEST_TIMEOUT seconds; the arguments pick the marks and files
+run_pytest() { timeout ${TEST_TIMEOUT:-240} $py -m pytest -q -rA -p no:cacheprovider -o addopts="" "$@"; }
 want() { case " ${PHASES:-build tests bench peer} " in *" $1 "*) return 0;; esac; return 1; }
 
 {
@@ -70,7 +73,7 @@ if [ -n "${KIT:-}" ]; then  # fused-ssim (one .cu file) for the peer, beside gsp
    echo "fused-ssim build: rc=$? in $(( $(stamp) - t0 )) s" >> "$out/summary.txt") &
 fi
 if want kerneltests; then  # the kernels that need no gsplat (Triton, torch), on the GPU beside gsplat's build
-  (t0=$(stamp); timeout ${TEST_TIMEOUT:-240} $py -m pytest -m cuda -q -rA -p no:cacheprovider -o addopts="" \
+  (t0=$(stamp); run_pytest -m cuda \
      tests/test_ssim.py tests/test_score_torch.py tests/test_multi_adam.py tests/test_ssim_triton.py \
      > "$out/pytest_kernels_cuda.log" 2>&1
    krc=$?; echo "CUDA kernel tests: rc=$krc in $(( $(stamp) - t0 )) s: $(tail -1 "$out/pytest_kernels_cuda.log")" \
@@ -95,14 +98,14 @@ fi
 if want tests; then
 sel="not whole_pipeline"; [ "${RUN_PIPELINE:-0}" = 1 ] && sel=""
 t=$(stamp)
-timeout ${TEST_TIMEOUT:-240} $py -m pytest -m cuda -q -rA -p no:cacheprovider -o addopts="" -k "$sel" \
+run_pytest -m cuda -k "$sel" \
   tests/test_device.py tests/test_render.py tests/test_ssim.py tests/test_score_torch.py \
   tests/test_multi_adam.py tests/test_ssim_triton.py > "$out/pytest_cuda.log" 2>&1
 echo "CUDA tests: rc=$? in $(( $(stamp) - t )) s: $(tail -1 "$out/pytest_cuda.log")" | tee -a "$out/summary.txt"
 grep -E "removal cost on" "$out/pytest_cuda.log" | tee -a "$out/summary.txt"
 # the same kernels on CPU tensors under Triton's interpreter (what CPU machines with Triton check)
 t=$(stamp)
-timeout ${TEST_TIMEOUT:-240} $py -m pytest -q -rA -p no:cacheprovider -o addopts="" -m "not cuda" \
+run_pytest -m "not cuda" \
   tests/test_score_torch.py tests/test_multi_adam.py tests/test_ssim_triton.py > "$out/pytest_kernels.log" 2>&1
 echo "kernel tests (CPU tensors): rc=$? in $(( $(stamp) - t )) s: $(tail -1 "$out/pytest_kernels.log")" \
   | tee -a "$out/summary.txt"
