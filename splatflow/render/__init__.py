@@ -120,10 +120,10 @@ def rasterize(
         if tuple(t.shape) != shape:
             raise ValueError(f"{nm} must have shape {shape}, got {tuple(t.shape)}")
     if window is not None:
-        window = tuple(int(v) for v in window)
-        x0, y0, ww, wh = window
+        x0, y0, ww, wh = (int(v) for v in window)
         if not (0 <= x0 and 0 <= y0 and ww >= 1 and wh >= 1 and x0 + ww <= width and y0 + wh <= height):
             raise ValueError(f"window {window} must lie inside the {width}x{height} view")
+        window = (x0, y0, ww, wh)
     request = _Request(means, quats, scales, opacities, colors, viewmats, Ks, width, height, sh_degree=sh_degree,
                        near_plane=near_plane, far_plane=far_plane, backgrounds=backgrounds,
                        rasterize_mode=rasterize_mode, render_mode=render_mode, absgrad=absgrad,
