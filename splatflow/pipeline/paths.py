@@ -123,7 +123,7 @@ class ScenePaths:
         return self.metrics_dir / f"{stage}.json"
 
     def info_json(self, stage: str) -> Path:
-        """What a stage reports besides numbers (strings, settings, lists, reasons): splatflow.records."""
+        """What a stage reports besides numbers (strings, settings, lists, reasons): splatflow.pipeline.records."""
         return self.metrics_dir / "info" / f"{stage}.json"
 
     @property

@@ -60,7 +60,7 @@ def enabled() -> bool:
     return os.environ.get("SPLATFLOW_TRACKING", "on").strip().lower() not in {"off", "0", "false", "no"}
 
 
-# One way to find the project root (seen through DVC's temporary experiment workspaces): splatflow.paths.
+# One way to find the project root (seen through DVC's temporary experiment workspaces): splatflow.pipeline.paths.
 from splatflow.pipeline.paths import repo_root  # noqa: E402,F401
 
 
