@@ -172,7 +172,7 @@ def test_batch_without_a_served_deployment_says_what_to_start(project):
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     # no server at all: `ui` and `serve` to start (the port looked for is servers.PREFECT_PORT: point it at the dead one)
     code = ("import sys; from splatflow.orchestrate import servers; servers.PREFECT_PORT = int(sys.argv[1]); "
-            "from splatflow.cli import main; sys.argv = ['splatflow', 'batch', 'demo']; main()")
+            "from splatflow.cli.main import main; sys.argv = ['splatflow', 'batch', 'demo']; main()")
     r = subprocess.run([sys.executable, "-c", code, str(dead)], cwd=project, env=env, capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 2, r.stderr[-3000:]
