@@ -63,7 +63,7 @@ def test_quality_is_one_knob_that_orders_steps_and_budget():
 
 
 def test_numbers_pin_the_plan_and_bad_values_name_the_key():
-    cfg = TrainConfig(max_steps=1234, coarse_to_fine=False,
+    cfg = TrainConfig(max_steps=1234, coarse_to_fine=False, early_stop=replace(TrainConfig().early_stop, enabled=True),
                       densify=replace(TrainConfig().densify, max_gaussians=5678))
     p = plan.resolve(cfg, None, "cuda", 80.0, pixels=BONSAI)
     assert (p.max_steps, p.max_gaussians, p.steps_auto, p.gaussians_auto) == (1234, 5678, False, False)
@@ -185,3 +185,20 @@ def test_checkpoints_are_sparser_on_a_gpu_and_a_number_pins_them():
     assert plan.resolve(pinned, None, "cuda", 80.0, pixels=BONSAI).checkpoint_every == 250
     with pytest.raises(ConfigError, match="train.checkpoint_every"):
         params_from_dict({"train": {"checkpoint_every": "often"}})
+
+
+def test_the_plateau_stop_is_the_cpus_and_the_gpu_runs_its_fixed_schedule():
+    """early_stop.enabled auto: on for a CPU plan (a plateau saves minutes of costly steps), off for CUDA (the
+    field's 30K steps, which a plateau on three training views cut short); a pinned value holds on either, and the
+    plan records the choice with the line that pins it."""
+    cpu_plan = plan.resolve(TrainConfig(), None, "cpu", pixels=BONSAI)
+    gpu_plan = plan.resolve(TrainConfig(), None, "cuda", 80.0, pixels=BONSAI)
+    assert plan.apply(TrainConfig(), cpu_plan).early_stop.enabled is True
+    gpu = plan.apply(TrainConfig(), gpu_plan)
+    assert gpu.early_stop.enabled is False and gpu.planned and not TrainConfig().planned
+    assert gpu_plan.record()["early_stop"] == 0 and gpu_plan.record()["early_stop_auto"] == 1
+    assert "train.early_stop.enabled: false" in gpu_plan.describe() and "no plateau stop" in gpu_plan.describe()
+    pinned = TrainConfig(early_stop=replace(TrainConfig().early_stop, enabled=True))
+    assert plan.apply(pinned, plan.resolve(pinned, None, "cuda", 80.0, pixels=BONSAI)).early_stop.enabled is True
+    with pytest.raises(ConfigError, match="train.early_stop.enabled"):
+        params_from_dict({"train": {"early_stop": {"enabled": "maybe"}}})

@@ -326,7 +326,10 @@ class EarlyStopConfig:
     PSNR moves because the schedule moves.
     """
 
-    enabled: bool = True
+    # "auto": on for the CPU backend (its steps are costly, a plateau saves minutes), off on CUDA (the field's fixed
+    # 30K steps take minutes there, and the plateau on three training views stopped a GPU run at 20K of 23.7K while
+    # test PSNR still rose 0.07 dB per 1,000 steps: bench/RESULTS.md "GPU path"). Resolved by the plan
+    enabled: bool | Literal["auto"] = "auto"
     eval_every: int = 100
     patience_steps: int = 1000
     reference_steps: int = 6000
@@ -335,6 +338,7 @@ class EarlyStopConfig:
     val_factor: float = 1.0  # resolution factor the validation renders use
 
     def __post_init__(self):
+        check(self.enabled in (True, False, "auto"), "train.early_stop.enabled", "auto, true or false", self.enabled)
         check(self.eval_every >= 1, "train.early_stop.eval_every", "an integer >= 1", self.eval_every)
         check(self.patience_steps >= 1, "train.early_stop.patience_steps", "an integer >= 1", self.patience_steps)
         check(self.reference_steps >= 1, "train.early_stop.reference_steps", "an integer >= 1",
@@ -473,7 +477,8 @@ class TrainConfig:
     def planned(self) -> bool:
         """True when the step count, the Gaussian budget and the schedule are settled (pinned, or resolved by the
         plan)."""
-        return "auto" not in (self.max_steps, self.densify.max_gaussians, self.coarse_to_fine, self.checkpoint_every)
+        return "auto" not in (self.max_steps, self.densify.max_gaussians, self.coarse_to_fine, self.checkpoint_every,
+                              self.early_stop.enabled)
 
     def window_pixels(self, backend: str) -> int:
         """The window area a run on ``backend`` ("cpu", "cuda", "torch") trains on: ``patch_max_pixels``, with
