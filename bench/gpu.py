@@ -76,6 +76,18 @@ def test_psnr_on(splats, sh_degree, views, device) -> list[float]:
     return out
 
 
+def busy_us(spans) -> float:
+    """The time covered by the union of ``spans`` ((start, end) pairs, microseconds): a GPU is busy while any of its
+    kernels runs, once however many overlap."""
+    total, end = 0.0, -math.inf
+    for a, b in sorted(spans):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
 def profile_steps(trainer, at: int, n: int, report: dict) -> None:
     """Wrap ``trainer.train_step`` so that steps ``at`` .. ``at + n - 1`` run under torch's profiler; the summary
     lands in ``report`` (wall ms per step, GPU busy ms per step, top operators by self host and self CUDA time)."""
@@ -100,7 +112,10 @@ def profile_steps(trainer, at: int, n: int, report: dict) -> None:
             prof = state.pop("prof")
             prof.__exit__(None, None, None)
             ka = prof.key_averages()
-            dev_us = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in ka)
+            # the GPU timeline's own events (kernels, copies, fills), not the operators that launched them: an
+            # operator's self device time repeats its kernels' (summing both counted _RasterizeToPixelsBackward twice)
+            dev_us = busy_us([(e.time_range.start, e.time_range.end) for e in prof.events()
+                              if e.device_type != torch.autograd.DeviceType.CPU])
             rows = []
             for key in ("self_cpu_time_total", "self_device_time_total"):
                 top = sorted(ka, key=lambda e: getattr(e, key, 0), reverse=True)[:15]

@@ -189,3 +189,12 @@ def test_two_side_runs_join_into_one_comparison(tmp_path):
     assert both["time_ratio_at_peer_final_psnr"] == pytest.approx(0.125) and both["peer_curve"] == peer
     bad = _gpu_py("--join", str(b), str(b))
     assert bad.returncode == 2 and "no ours_curve" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_gpu_busy_time_counts_overlapping_kernels_once():
+    """The profile's GPU busy time is the union of the device timeline's spans: an operator and the kernel it
+    launched (the same span twice), or two streams' overlapping kernels, are busy once."""
+    from bench.gpu import busy_us
+
+    assert busy_us([(0, 10), (5, 15), (20, 30), (22, 25), (20, 30)]) == 25
+    assert busy_us([(3, 4)]) == 1 and busy_us([]) == 0
