@@ -225,9 +225,10 @@ def peer_compare(args, cfg, dev, out: dict) -> None:
     data, result = args.work / "peer_data", args.work / "peer_result"
     for d in (data, result):  # an earlier comparison's files would mix into this one's
         shutil.rmtree(d, ignore_errors=True)
-    info = pg.write_peer_dataset(scene, data)
+    info = pg.write_peer_dataset(scene, data, write=args.side != "ours")  # a call for our side only writes no PNGs
     print(f"comparison scene: {len(scene.train_views)} train / {len(scene.test_views)} test views at "
-          f"{', '.join(info['sizes'])} ({res_info['image_source']}); simple_trainer's dataset in {data}", flush=True)
+          f"{', '.join(info['sizes'])} ({res_info['image_source']})"
+          + (f"; simple_trainer's dataset in {data}" if args.side != "ours" else ""), flush=True)
     lp = LpipsSet(["lpips_alex"]).to(dev.device)
     lpips = lp if lp.models.get("alex") is not None else None
     if lpips is None:

@@ -140,10 +140,11 @@ def write_colmap_binary(model_dir: Path, views, points: np.ndarray, colors: np.n
             f.write(struct.pack("<Q", 0))  # empty track
 
 
-def write_peer_dataset(scene, out: Path, test_every: int = 8) -> dict:
+def write_peer_dataset(scene, out: Path, test_every: int = 8, write: bool = True) -> dict:
     """simple_trainer's dataset for ``scene`` (a ``SceneData`` at the working size, split into train and test)
     in ``out``: ``images/*.png`` and ``sparse/0/``. Returns ``{"images", "test", "sizes"}``. Refuses (PeerError)
-    a scene whose test views are not the ones the peer's rule would hold out after the renaming."""
+    a scene whose test views are not the ones the peer's rule would hold out after the renaming. ``write=False``
+    checks and describes the dataset without writing it (a call that trains only splatflow's side)."""
     import cv2
 
     from splatflow.scene.resolution import read_view_rgb
@@ -159,6 +160,9 @@ def write_peer_dataset(scene, out: Path, test_every: int = 8) -> dict:
         raise PeerError(f"the scene's test views {ours[:4]}... are not the ones simple_trainer holds out (every "
                         f"{test_every}th sorted name: {theirs[:4]}...); split the scene with the every_nth rule "
                         f"(split.rule: every_nth, every_n: {test_every}) for the comparison")
+    info = {"images": len(views), "test": theirs, "sizes": sorted({f"{v.width}x{v.height}" for v in views})}
+    if not write:
+        return info
     img_dir = out / "images"
     img_dir.mkdir(parents=True, exist_ok=True)
     for v, n in zip(views, names):
@@ -166,7 +170,7 @@ def write_peer_dataset(scene, out: Path, test_every: int = 8) -> dict:
         if not cv2.imwrite(str(img_dir / n), cv2.cvtColor(rgb, cv2.COLOR_RGB2BGR)):
             raise PeerError(f"{img_dir / n}: could not write the image; check the disk and the folder's permissions")
     write_colmap_binary(out / "sparse" / "0", views, scene.points, scene.colors)
-    return {"images": len(views), "test": theirs, "sizes": sorted({f"{v.width}x{v.height}" for v in views})}
+    return info
 
 
 # ------------------------------------------------------------------------------------------ the run

@@ -60,6 +60,9 @@ def test_peer_dataset_reads_back_as_the_same_scene(scene, tmp_path):
     np.testing.assert_allclose(np.sort(xyz, axis=0), np.sort(scene.points.astype(np.float64), axis=0), atol=1e-6)
     # the peer holds out exactly splatflow's test views
     assert info["test"] == sorted(pg.peer_name(v.name) for v in scene.test_views)
+    # a call that trains only splatflow's side checks and describes the same dataset without writing it
+    assert pg.write_peer_dataset(scene, tmp_path / "none", write=False) == info
+    assert not (tmp_path / "none").exists()
 
 
 def test_quaternions_of_every_branch_rebuild_their_rotation():
