@@ -33,8 +33,8 @@ from splatflow.pipeline.errors import UserError
 from splatflow.scene.groundtruth import read_ground_truth
 from splatflow.scene.ingest import _Reject, _save, open_image, output_names
 from splatflow.scene.notes import write_empty_note
-from splatflow.scene.schemas import validate_reconstruction
-from splatflow.scene.sfm import SfmResult, _replace_dir, camera_summary, list_images, model_metrics, undistort_model
+from splatflow.scene.sfm import (SfmResult, _replace_dir, _validate, camera_summary, list_images, model_metrics,
+                                undistort_model)
 
 __all__ = ["LEVELS", "find_model", "is_colmap_dataset", "level_dir", "output_name_map", "copy_levels",
            "empty_levels", "import_model", "check_model_files", "partial_model", "incomplete_model_message"]
@@ -464,7 +464,7 @@ def import_model(model_path: Path, images_dir: Path, sparse_dir: Path, undistort
         raise UserError(f"{model_path}: the model has no 3D points left after dropping the images above; training "
                         f"starts from the SfM points: keep those images (loosen the ingest checks that rejected "
                         f"them) or drop base.scenes.<scene>.colmap so the sfm stage runs SfM on the images")
-    validate_reconstruction(rec, f"{model_path} (imported)")
+    _validate(rec, f"{model_path} (imported)")
     models = sorted({rec.cameras[im.camera_id].model_name for im in rec.images.values() if im.has_pose})
 
     metrics = {
