@@ -135,8 +135,7 @@ def resolve(cfg: TrainConfig, views, device_kind: str, gpu_memory_gib: float | N
         budget = _scaled(lim.gaussians, lim.gaussians_min, lim.gaussians_max, ratio, 10_000)
         if kind == "cuda" and gpu_memory_gib:
             budget = min(budget, int(GAUSSIANS_PER_GIB * gpu_memory_gib) // 10_000 * 10_000)
-    c2f = (kind == "cpu") if cfg.coarse_to_fine == "auto" else bool(cfg.coarse_to_fine)
-    stop = (kind == "cpu") if cfg.early_stop.enabled == "auto" else bool(cfg.early_stop.enabled)
+    c2f, stop = _cpu_switch(cfg.coarse_to_fine, kind), _cpu_switch(cfg.early_stop.enabled, kind)
     refine_start = None
     if not c2f:
         refine_start = min(int(cfg.densify.refine_start_fraction * steps), WHOLE_RESOLUTION_REFINE_START)
@@ -149,6 +148,11 @@ def resolve(cfg: TrainConfig, views, device_kind: str, gpu_memory_gib: float | N
                 early_stop_auto=cfg.early_stop.enabled == "auto")
 
 
+def _cpu_switch(value, kind: str) -> bool:
+    """A switch whose "auto" means on for the CPU plan and off for CUDA (coarse to fine, the plateau stop)."""
+    return kind == "cpu" if value == "auto" else bool(value)
+
+
 def checkpoint_every(cfg: TrainConfig, device_kind: str) -> int:
     """``train.checkpoint_every`` with "auto" resolved for ``device_kind`` ("cpu", "torch" or "cuda")."""
     if cfg.checkpoint_every != "auto":
@@ -157,8 +161,8 @@ def checkpoint_every(cfg: TrainConfig, device_kind: str) -> int:
 
 
 def apply(cfg: TrainConfig, plan: Plan) -> TrainConfig:
-    """``cfg`` with the plan's numbers and switches in place of "auto"; without coarse to fine, one whole-resolution phase,
-    no blur in place of the schedules and densification from the plan's start step."""
+    """``cfg`` with the plan's numbers and switches in place of "auto"; without coarse to fine, one
+    whole-resolution phase, no blur in place of the schedules and densification from the plan's start step."""
     densify = dataclasses.replace(cfg.densify, max_gaussians=plan.max_gaussians)
     if plan.refine_start_step is not None:
         densify = dataclasses.replace(densify, refine_start_fraction=plan.refine_start_step / plan.max_steps)
