@@ -33,11 +33,13 @@ GPU) measure one side each; ``--join A B`` (anywhere) prints the comparison one 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import sys
 import time
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -58,6 +60,8 @@ def print_busy_share(prof: dict, args, what: str) -> float:
     print(f"profile of {what} {args.profile_at}..{args.profile_at + args.profile_steps - 1}: "
           f"{prof['profile_wall_ms_per_step']} ms per step, GPU busy {prof['profile_gpu_busy_ms_per_step']} ms "
           f"({100 * busy:.0f} % of the step)")
+    for site, n in sorted(prof.get("sync_sites", {}).items(), key=lambda kv: -kv[1]):
+        print(f"  host waits for the GPU {n:g} times a step at {site}")
     return round(busy, 3)
 
 @torch.no_grad()
@@ -88,7 +92,38 @@ def busy_us(spans) -> float:
     return total
 
 
-def profile_steps(trainer, at: int, n: int, report: dict) -> None:
+@contextlib.contextmanager
+def sync_sites(report: dict, steps: int):
+    """Count, by the Python lines that called it, each operation that made the host wait for the GPU (torch's sync
+    debug mode, "warn") while the block runs; the counts per step land in ``report["sync_sites"]``."""
+    import traceback
+
+    sites = report.setdefault("sync_sites", {})
+    show = warnings.showwarning
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):
+            return show(message, category, filename, lineno, file, line)
+        frames = [f for f in traceback.extract_stack()[:-1]
+                  if any(k in f.filename for k in ("splatflow", "gsplat", "bench"))]
+        key = " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames[-4:]))
+        sites[key] = round(sites.get(key, 0) + 1.0 / steps, 2)
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_sync_debug_mode("warn")
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        try:
+            yield
+        finally:
+            warnings.showwarning = show
+            if cuda:
+                torch.cuda.set_sync_debug_mode("default")
+
+
+def profile_steps(trainer, at: int, n: int, report: dict, sync_steps: int = 5) -> None:
     """Wrap ``trainer.train_step`` so that steps ``at`` .. ``at + n - 1`` run under torch's profiler; the summary
     lands in ``report`` (wall ms per step, GPU busy ms per step, top operators by self host and self CUDA time)."""
     from torch.profiler import ProfilerActivity, profile
@@ -100,6 +135,9 @@ def profile_steps(trainer, at: int, n: int, report: dict) -> None:
 
     def wrapped():
         s = trainer.step
+        if cuda and at + n <= s < at + n + sync_steps:  # after the profile: where the host waits for the GPU
+            with sync_sites(report, sync_steps):
+                return step_fn()
         if s == at:
             sync()
             state["prof"] = profile(activities=acts)

@@ -201,3 +201,23 @@ def test_gpu_busy_time_counts_overlapping_kernels_once():
 
     assert busy_us([(0, 10), (5, 15), (20, 30), (22, 25), (20, 30)]) == 25
     assert busy_us([(3, 4)]) == 1 and busy_us([]) == 0
+
+
+def test_sync_sites_are_counted_per_step_by_their_calling_line():
+    """The profile's sync report: each warning of torch's sync debug mode counts once per step under the lines that
+    made it (other warnings pass through)."""
+    import warnings
+
+    from bench.gpu import sync_sites
+
+    def waits():  # stands for an op that reads a GPU value on the host
+        warnings.warn("called a synchronizing CUDA operation", UserWarning)
+
+    report: dict = {}
+    with sync_sites(report, steps=2):
+        for _ in range(2 * 2):  # two steps, twice each from the same line
+            waits()
+        with pytest.warns(UserWarning, match="unrelated"):
+            warnings.warn("unrelated", UserWarning)
+    (site, per_step), = report["sync_sites"].items()
+    assert per_step == 2.0 and "waits" in site.split(" <- ")[0]

@@ -408,6 +408,10 @@ def test_mcmc_regulariser_only_pulls_on_rendered_gaussians(scene):
     unseen[1::2] = True
     radii[0, unseen] = 0
     reg = tr.strategy.loss_terms(tr.state.params, {"radii": radii})
+    p = tr.state.params  # the paper's means over the rendered ones, here without a boolean index (no host sync)
+    expect = 0.01 * torch.sigmoid(p["opacities"][~unseen]).mean() + 0.01 * torch.exp(p["scales"][~unseen]).mean()
+    assert tr.strategy.opacity_reg == tr.strategy.scale_reg == 0.01
+    assert torch.allclose(reg, expect, rtol=1e-5)
     reg.backward()
     for k in ("opacities", "scales"):
         grad = tr.state.params[k].grad

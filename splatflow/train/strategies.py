@@ -360,11 +360,11 @@ class TorchMCMCStrategy(MCMCStrategy):
         """
         if self.opacity_reg == 0.0 and self.scale_reg == 0.0:
             return None
-        vis = rendered(info)
-        if not bool(vis.any()):
-            return params["means"].new_zeros(())
-        return self.opacity_reg * torch.sigmoid(params["opacities"][vis]).mean() \
-            + self.scale_reg * torch.exp(params["scales"][vis]).mean()
+        vis = rendered(info).to(params["means"].dtype)  # [N] 1 where rendered; weights, not a boolean index,
+        n = vis.sum().clamp_min(1.0)  # so that no step waits for the GPU to count them
+        opac = (torch.sigmoid(params["opacities"].flatten()) * vis).sum() / n
+        scale = (torch.exp(params["scales"]).mean(-1) * vis).sum() / n
+        return self.opacity_reg * opac + self.scale_reg * scale
 
     def step_pre_backward(self, params, optimizers, state, step, info) -> None:
         return None  # reads no gradients of the render
