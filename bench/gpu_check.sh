@@ -22,8 +22,19 @@
 # On a GPU machine with no package registry, KIT=<folder written by bench/gpu_kit.py> installs what it lacks from
 # that folder first (gsplat, pycolmap and the peer's packages into /tmp/splatflow_site, fused-ssim built there for
 # its GPU) and sets PEER_GSPLAT, PEER_PYTHON and PEER_SCENE to the kit's checkout, interpreter and real scene.
+#
+# ARM=mcmc trains splatflow's side of the peer comparison with 3DGS-MCMC in gsplat's mcmc recipe (opacity 0.5 and
+# scale 0.1 at the start, relocation and growth to the budget until 80 % of the steps), the candidate for the CUDA
+# default: with PHASES=peer PEER_SIDE=ours PEER_PROFILE_AT=5210 one call measures it against the default plan's record.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+case ${ARM:-} in
+  "") ;;
+  mcmc) PEER_ARGS="${PEER_ARGS:-} --set densify.strategy=mcmc --set init_opacity=0.5 --set init_scale=0.1
+        --set densify.refine_stop_fraction=0.8 --set prune_during.start_fraction=0.85
+        --set prune_during.end_fraction=0.95";;
+  *) echo "ARM=$ARM: unknown (mcmc, or unset for the default plan)"; exit 2;;
+esac
 out=${1:-bench/out/gpu}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
 py=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
