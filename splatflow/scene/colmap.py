@@ -33,8 +33,8 @@ from splatflow.pipeline.errors import UserError
 from splatflow.scene.groundtruth import read_ground_truth
 from splatflow.scene.ingest import _Reject, _save, open_image, output_names
 from splatflow.scene.notes import write_empty_note
-from splatflow.scene.sfm import (SfmResult, _replace_dir, _validate, camera_summary, list_images, model_metrics,
-                                undistort_model)
+from splatflow.scene.sfm import (SfmResult, camera_summary, check_reconstruction, list_images, model_metrics,
+                                replace_dir, undistort_model)
 
 __all__ = ["LEVELS", "find_model", "is_colmap_dataset", "level_dir", "output_name_map", "copy_levels",
            "empty_levels", "import_model", "check_model_files", "partial_model", "incomplete_model_message"]
@@ -464,7 +464,7 @@ def import_model(model_path: Path, images_dir: Path, sparse_dir: Path, undistort
         raise UserError(f"{model_path}: the model has no 3D points left after dropping the images above; training "
                         f"starts from the SfM points: keep those images (loosen the ingest checks that rejected "
                         f"them) or drop base.scenes.<scene>.colmap so the sfm stage runs SfM on the images")
-    _validate(rec, f"{model_path} (imported)")
+    check_reconstruction(rec, f"{model_path} (imported)")
     models = sorted({rec.cameras[im.camera_id].model_name for im in rec.images.values() if im.has_pose})
 
     metrics = {
@@ -489,7 +489,7 @@ def import_model(model_path: Path, images_dir: Path, sparse_dir: Path, undistort
         _say(f"imported {model_path}: {n_kept}/{n_model} images, {metrics['points3d']} points, cameras "
              f"{', '.join(models)}; {what} {n_kept} images")
         undistort_model(staged_sparse, images_dir, staged_undist, undistorted_dir, threads)
-        _replace_dir(staged_sparse, sparse_dir)
-        _replace_dir(staged_undist, undistorted_dir)
+        replace_dir(staged_sparse, sparse_dir)
+        replace_dir(staged_undist, undistorted_dir)
     metrics["seconds"] = round(time.perf_counter() - t0, 3)
     return SfmResult(metrics=metrics, matcher="imported", sparse_dir=sparse_dir, undistorted_dir=undistorted_dir)

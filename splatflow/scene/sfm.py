@@ -52,16 +52,17 @@ from splatflow.pipeline.errors import UserError
 from splatflow.scene.fitness import fitness_warning, model_fitness
 from splatflow.scene.groundtruth import camera_error, read_ground_truth
 
-__all__ = ["IMAGE_SUFFIXES", "list_images", "choose_matcher", "first_sift_octave", "SfmResult", "run_sfm",
-           "reconstruction_poses", "model_metrics", "exif_camera", "camera_groups", "camera_summary", "undistort_model"]
+__all__ = ["IMAGE_SUFFIXES", "check_reconstruction", "replace_dir", "list_images", "choose_matcher",
+           "first_sift_octave", "SfmResult", "run_sfm", "reconstruction_poses", "model_metrics", "exif_camera", "camera_groups", "camera_summary", "undistort_model"]
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".tif", ".tiff", ".bmp"}
 _PINHOLE = {"PINHOLE", "SIMPLE_PINHOLE"}
 
 
-def _validate(rec, where: str) -> None:
-    """splatflow.scene.schemas.validate_reconstruction, loaded when a reconstruction is checked: the ingest stage
-    imports this module (through splatflow.scene.colmap) and never checks one."""
+def check_reconstruction(rec, where: str) -> None:
+    """:func:`splatflow.scene.schemas.validate_reconstruction`, imported when a reconstruction is checked (pandera
+    and pandas cost ~1 CPU-s to import): the ingest stage imports this module (through splatflow.scene.colmap) and
+    never checks one."""
     from splatflow.scene.schemas import validate_reconstruction  # lazy: pandera and pandas, ~1 CPU-s at import
 
     validate_reconstruction(rec, where)
@@ -379,7 +380,7 @@ class _MatchProgress:
             self.thread.join()
 
 
-def _replace_dir(staged: Path, final: Path) -> None:
+def replace_dir(staged: Path, final: Path) -> None:
     if final.exists():
         shutil.rmtree(final)
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -448,7 +449,7 @@ def undistort_model(sparse_dir: Path, images_dir: Path, out_dir: Path, final_dir
             if p.name not in ("images", "sparse"):
                 shutil.rmtree(p) if p.is_dir() else p.unlink()
     undist = pycolmap.Reconstruction(str(out_dir / "sparse"))
-    _validate(undist, f"{final_dir / 'sparse'} (before writing)")
+    check_reconstruction(undist, f"{final_dir / 'sparse'} (before writing)")
     models_seen = {c.model_name for c in undist.cameras.values()}
     if models_seen - _PINHOLE:
         raise RuntimeError(f"undistortion left non-pinhole cameras: {models_seen}")
@@ -575,7 +576,7 @@ def run_sfm(images_dir: str | Path, sparse_dir: str | Path, undistorted_dir: str
              f"{rec.num_points3D()} points")
         if n_reg < math.ceil(cfg.min_registered_fraction * len(names)):
             raise UserError(_too_few_message(images_dir, n_reg, len(names), matcher, cfg))
-        _validate(rec, f"{sparse_dir} (before writing)")
+        check_reconstruction(rec, f"{sparse_dir} (before writing)")
 
         # Metrics (and the ground-truth comparison, which can fail on a wrong path) before any output is written.
         metrics = {
@@ -595,8 +596,8 @@ def run_sfm(images_dir: str | Path, sparse_dir: str | Path, undistorted_dir: str
         with _Phase(f"undistorting {n_reg} images to PINHOLE"):
             undistort_model(staged_sparse, images_dir, staged_undist, undistorted_dir, threads)
 
-        _replace_dir(staged_sparse, sparse_dir)
-        _replace_dir(staged_undist, undistorted_dir)
+        replace_dir(staged_sparse, sparse_dir)
+        replace_dir(staged_undist, undistorted_dir)
 
     metrics["seconds"] = round(time.perf_counter() - t_start, 3)
     warning = fitness_warning(metrics)
