@@ -324,16 +324,24 @@ def removal_loss(means: Tensor, quats: Tensor, scales: Tensor, opacities: Tensor
     ``[C, H, W, 3]`` (the render itself when None, giving the pure removal energy). Returns ``(render [C, H, W, 3], increase [C, N])`` in squared
     [0, 1] units summed over pixels and channels; see :func:`splatflow.render.cpu.removal_loss_cpu`. Exact for
     single removals (each pixel is affine in one Gaussian's alpha). ``backend``: ``"cpu"`` (the CPU kernels,
-    inputs copied to the host), ``"torch"`` (:func:`.score_torch.removal_loss_torch`, the same score in torch on
-    the inputs' device) or ``"auto"``: the CPU kernels for CPU tensors, torch for any other device (a GPU run's
-    splats are scored where they are).
+    inputs copied to the host), ``"triton"`` (:func:`.score_triton.removal_loss_triton`, one Triton kernel launch
+    per view on the inputs' device, float32), ``"torch"`` (:func:`.score_torch.removal_loss_torch`, the same score
+    in torch on the inputs' device) or ``"auto"``: the CPU kernels for CPU tensors; for any other device the Triton
+    kernel where its gate allows it (:func:`.triton_gate.enabled`: CUDA with ``SPLATFLOW_TRITON=1``) and the
+    Gaussians are float32, else torch (a GPU run's splats are scored where they are).
     """
-    if backend not in ("auto", "cpu", "torch"):
-        raise ValueError(f"removal_loss backend must be 'auto', 'cpu' or 'torch', got {backend!r}")
-    if backend == "torch" or (backend == "auto" and means.device.type != "cpu"):
-        return removal_loss_torch(means, quats, scales, opacities, colors, viewmats, Ks, width, height,
-                                  sh_degree=sh_degree, target=target, near_plane=near_plane, far_plane=far_plane,
-                                  eps2d=eps2d)
+    if backend not in ("auto", "cpu", "torch", "triton"):
+        raise ValueError(f"removal_loss backend must be 'auto', 'cpu', 'torch' or 'triton', got {backend!r}")
+    kw = dict(sh_degree=sh_degree, target=target, near_plane=near_plane, far_plane=far_plane, eps2d=eps2d)
+    if backend == "triton" or (backend == "auto" and means.device.type != "cpu"):
+        from . import score_triton  # imports Triton: only off the CPU or when asked for
+
+        if backend == "auto" and not (score_triton.available(means.device) and means.dtype == torch.float32):
+            return removal_loss_torch(means, quats, scales, opacities, colors, viewmats, Ks, width, height, **kw)
+        return score_triton.removal_loss_triton(means, quats, scales, opacities, colors, viewmats, Ks, width, height,
+                                                **kw)
+    if backend == "torch":
+        return removal_loss_torch(means, quats, scales, opacities, colors, viewmats, Ks, width, height, **kw)
     dev = means.device
     a = [t.detach().cpu() for t in (means, quats, scales, opacities, viewmats, Ks)]
     sh = tuple(c.detach().cpu() for c in colors) if isinstance(colors, (tuple, list)) else colors.detach().cpu()
