@@ -85,8 +85,8 @@ if [ -n "${KIT:-}" ]; then  # fused-ssim (one .cu file) for the peer, beside gsp
 fi
 if want kerneltests; then  # the kernels that need no gsplat (Triton, torch), on the GPU beside gsplat's build
   (t0=$(stamp); run_pytest -m cuda \
-     tests/test_ssim.py tests/test_score_torch.py tests/test_multi_adam.py tests/test_ssim_triton.py \
-     > "$out/pytest_kernels_cuda.log" 2>&1
+     tests/test_ssim.py tests/test_score_torch.py tests/test_score_triton.py tests/test_multi_adam.py \
+     tests/test_ssim_triton.py > "$out/pytest_kernels_cuda.log" 2>&1
    krc=$?; echo "CUDA kernel tests: rc=$krc in $(( $(stamp) - t0 )) s: $(tail -1 "$out/pytest_kernels_cuda.log")" \
      >> "$out/summary.txt"; grep -E "removal cost on" "$out/pytest_kernels_cuda.log" >> "$out/summary.txt"
    [ $krc -eq 0 ] || touch "$out/.kernels_failed") &
@@ -111,13 +111,14 @@ sel="not whole_pipeline"; [ "${RUN_PIPELINE:-0}" = 1 ] && sel=""
 t=$(stamp)
 run_pytest -m cuda -k "$sel" \
   tests/test_device.py tests/test_render.py tests/test_ssim.py tests/test_score_torch.py \
-  tests/test_multi_adam.py tests/test_ssim_triton.py > "$out/pytest_cuda.log" 2>&1
+  tests/test_score_triton.py tests/test_multi_adam.py tests/test_ssim_triton.py > "$out/pytest_cuda.log" 2>&1
 echo "CUDA tests: rc=$? in $(( $(stamp) - t )) s: $(tail -1 "$out/pytest_cuda.log")" | tee -a "$out/summary.txt"
 grep -E "removal cost on" "$out/pytest_cuda.log" | tee -a "$out/summary.txt"
 # the same kernels on CPU tensors under Triton's interpreter (what CPU machines with Triton check)
 t=$(stamp)
 run_pytest -m "not cuda" \
-  tests/test_score_torch.py tests/test_multi_adam.py tests/test_ssim_triton.py > "$out/pytest_kernels.log" 2>&1
+  tests/test_score_torch.py tests/test_score_triton.py tests/test_multi_adam.py tests/test_ssim_triton.py \
+  > "$out/pytest_kernels.log" 2>&1
 echo "kernel tests (CPU tensors): rc=$? in $(( $(stamp) - t )) s: $(tail -1 "$out/pytest_kernels.log")" \
   | tee -a "$out/summary.txt"
 grep -E "PASS|FAIL|ERROR|SKIP" "$out/pytest_cuda.log" | tail -16

@@ -128,15 +128,16 @@ def test_prune_scores_a_model_on_its_own_device():
 
 @pytest.mark.cuda
 def test_cuda_removal_cost_equals_the_cpu_kernels_and_a_cut_is_fast():
-    """On a GPU: the scorer on CUDA tensors against the CPU kernels, and the time of one scoring pass of a
-    prune cut's size (16 views of 800x600, 100K Gaussians), printed for bench/RESULTS.md."""
+    """On a GPU: the torch scorer on CUDA tensors against the CPU kernels, and the time of one scoring pass of a
+    prune cut's size (16 views of 800x600, 100K Gaussians), printed for bench/RESULTS.md (beside the Triton
+    kernel's, ``tests/test_score_triton.py``)."""
     import time
 
     args, target = _scene()
     _, ref = removal_loss(*args, W, H, sh_degree=2, target=target)
     dev = torch.device("cuda")
     moved = [a.to(dev) if isinstance(a, torch.Tensor) else tuple(t.to(dev) for t in a) for a in args]
-    _, inc = removal_loss(*moved, W, H, sh_degree=2, target=target.to(dev))  # auto: CUDA tensors -> torch
+    _, inc = removal_loss(*moved, W, H, sh_degree=2, target=target.to(dev), backend="torch")
     assert inc.device.type == "cuda"
     _close(inc.cpu(), ref, 2e-5)
 
@@ -145,11 +146,14 @@ def test_cuda_removal_cost_equals_the_cpu_kernels_and_a_cut_is_fast():
     vm = torch.eye(4, device=dev)
     big = [t.to(dev) for t in (means, quats, scales * 0.5, opac)]
     tgt = torch.rand(1, 600, 800, 3, device=dev)
-    removal_loss(*big, (sh0.to(dev), shN.to(dev)), vm[None], K[None], 800, 600, sh_degree=2, target=tgt)
+    removal_loss(*big, (sh0.to(dev), shN.to(dev)), vm[None], K[None], 800, 600, sh_degree=2, target=tgt,
+                 backend="torch")
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(16):
-        removal_loss(*big, (sh0.to(dev), shN.to(dev)), vm[None], K[None], 800, 600, sh_degree=2, target=tgt)
+        removal_loss(*big, (sh0.to(dev), shN.to(dev)), vm[None], K[None], 800, 600, sh_degree=2, target=tgt,
+                 backend="torch")
     torch.cuda.synchronize()
     secs = time.perf_counter() - t0
-    print(f"removal cost on {torch.cuda.get_device_name()}: 16 views 800x600, 100K Gaussians: {secs:.3f} s")
+    print(f"removal cost on {torch.cuda.get_device_name()}, torch path: 16 views 800x600, 100K Gaussians: "
+          f"{secs:.3f} s")
