@@ -35,7 +35,6 @@ from .triton_gate import enabled as available  # noqa: F401 (this module's gate)
 from .triton_gate import tl, triton
 
 BATCH = 32  # list entries between two checks of whether every pixel of the tile has stopped
-NF = 9  # floats per gathered list entry: mean x, y, conic a, b, c, opacity, colour r, g, b
 
 
 if triton is not None:
@@ -153,6 +152,7 @@ def removal_loss_triton(means: Tensor, quats: Tensor, scales: Tensor, opacities:
     proj = project_gaussians(means, quats, scales, opacities, viewmats, Ks, width, height, near_plane=near_plane,
                              far_plane=far_plane, eps2d=eps2d, antialiased=False, radius_clip=0.0)
     rgb = gaussian_colors(colors, sh_degree, means, viewmats, proj["valid"])  # [C, N, 3]
+    # per list entry 9 floats, as the kernel reads them: mean x, y, conic a, b, c, opacity, colour r, g, b
     ent = torch.cat([proj["means2d"], proj["conics"], proj["opacities"][..., None], rgb], dim=-1)  # [C, N, 9]
     ent = ent.to(torch.float32)
     tw, th = tile_grid(width, height, TILE)
