@@ -321,8 +321,8 @@ def removal_loss(means: Tensor, quats: Tensor, scales: Tensor, opacities: Tensor
     """For every Gaussian, how much the squared error of C views would grow if it ALONE were removed.
 
     Inputs as :func:`rasterize` (SH colours ``[N, K, 3]`` or the pair ``(sh0, shN)``); ``target``
-    ``[C, H, W, 3]`` (the render itself when None, giving the pure removal energy). Returns ``(render [C, H, W, 3], increase [C, N])`` in squared
-    [0, 1] units summed over pixels and channels; see :func:`splatflow.render.cpu.removal_loss_cpu`. Exact for
+    ``[C, H, W, 3]`` (the render itself when None, giving the pure removal energy). Returns ``(render [C, H, W,
+    3], increase [C, N])`` in squared [0, 1] units summed over pixels and channels; see :func:`splatflow.render.cpu.removal_loss_cpu`. Exact for
     single removals (each pixel is affine in one Gaussian's alpha). ``backend``: ``"cpu"`` (the CPU kernels,
     inputs copied to the host), ``"triton"`` (:func:`.score_triton.removal_loss_triton`, one Triton kernel launch
     per view on the inputs' device, float32), ``"torch"`` (:func:`.score_torch.removal_loss_torch`, the same score
@@ -334,7 +334,7 @@ def removal_loss(means: Tensor, quats: Tensor, scales: Tensor, opacities: Tensor
         raise ValueError(f"removal_loss backend must be 'auto', 'cpu', 'torch' or 'triton', got {backend!r}")
     kw = dict(sh_degree=sh_degree, target=target, near_plane=near_plane, far_plane=far_plane, eps2d=eps2d)
     if backend == "triton" or (backend == "auto" and means.device.type != "cpu"):
-        from . import score_triton  # imports Triton: only off the CPU or when asked for
+        from . import score_triton  # lazy: Triton (its kernels compile on import), only off the CPU or when asked for
 
         if backend == "auto" and not (score_triton.available(means.device) and means.dtype == torch.float32):
             return removal_loss_torch(means, quats, scales, opacities, colors, viewmats, Ks, width, height, **kw)
