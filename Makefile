@@ -14,14 +14,15 @@ export DO_NOT_TRACK := 1
 # torch==2.13.0 (CPU) is pinned in pyproject.toml; gsplat goes in without its deps, which would pull another torch.
 # uv resolves and downloads in parallel (pip looked the ~250 packages up one after another: ~3 of its 4.5 minutes);
 # it gets pip's own index settings (tools/uv_index_args.py), so both pick the same wheels, and compiles the byte code
-# pip would. Where uv cannot be installed, pip does it all.
+# pip would; pip itself is brought up to date as before (tests/_hosts.py installs with it). Where uv cannot be
+# installed, pip does it all.
 PIP := $(PY) -m pip -q --disable-pip-version-check
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install uv || $(PIP) install -U pip
 	if [ -x $(VENV)/bin/uv ]; then \
 	  uv=($(VENV)/bin/uv pip install -q --python $(PY) --compile-bytecode $$($(PY) tools/uv_index_args.py)); \
-	  "$${uv[@]}" -e '.[test]' && "$${uv[@]}" --no-deps gsplat==1.5.3 lpips==0.1.4; \
+	  "$${uv[@]}" --upgrade-package pip pip -e '.[test]' && "$${uv[@]}" --no-deps gsplat==1.5.3 lpips==0.1.4; \
 	else \
 	  $(PIP) install -e '.[test]' && $(PIP) install --no-deps gsplat==1.5.3 lpips==0.1.4; \
 	fi
