@@ -3,10 +3,10 @@
 `make venv` installs with `uv pip install`, which resolves and downloads in parallel where pip looks every package
 up one after another, but uv reads no pip configuration: without this, a machine whose pip.conf points at a local
 wheel folder or index (the CPU build of torch, for one) would get other wheels from uv than from pip. Read from
-``pip config list`` (each option from its last scope, as pip reads them: the environment over the files): find-links, index-url,
-extra-index-url and constraint. A local folder or ``file://`` index that does not exist is left out, as pip skips it
-with a warning.
-uv is told to pick the best version across all the indexes, as pip does (``--index-strategy unsafe-best-match``).
+``pip config list`` (each option from its last scope, as pip reads them: the environment over the files):
+find-links, index-url, extra-index-url and constraint. A local folder or ``file://`` index that does not exist is
+left out, as pip skips it with a warning. uv is told to pick the best version across all the indexes, as pip does
+(``--index-strategy unsafe-best-match``).
 """
 
 from __future__ import annotations
