@@ -12,11 +12,20 @@ export DO_NOT_TRACK := 1
 .PHONY: venv web demo test repro ui serve
 
 # torch==2.13.0 (CPU) is pinned in pyproject.toml; gsplat goes in without its deps, which would pull another torch.
+# uv resolves and downloads in parallel (pip looked the ~250 packages up one after another: ~3 of its 4.5 minutes);
+# it gets pip's own index settings (tools/uv_index_args.py), so both pick the same wheels, and compiles the byte code
+# pip would; pip itself is brought up to date as before (tests/_hosts.py installs with it). Where uv cannot be
+# installed, pip does it all.
+PIP := $(PY) -m pip -q --disable-pip-version-check
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -U pip
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
-	$(PY) -m pip install -q --disable-pip-version-check --no-deps gsplat==1.5.3 lpips==0.1.4
+	$(PIP) install uv || $(PIP) install -U pip
+	if [ -x $(VENV)/bin/uv ]; then \
+	  uv=($(VENV)/bin/uv pip install -q --python $(PY) --compile-bytecode $$($(PY) tools/uv_index_args.py)); \
+	  "$${uv[@]}" --upgrade-package pip pip -e '.[test]' && "$${uv[@]}" --no-deps gsplat==1.5.3 lpips==0.1.4; \
+	else \
+	  $(PIP) install -e '.[test]' && $(PIP) install --no-deps gsplat==1.5.3 lpips==0.1.4; \
+	fi
 	@# lpips is installed only for its v0.1 linear-layer files; its torchvision dependency is not used.
 	@! $(PY) -m pip check | grep -v '^lpips .* torchvision' | grep .
 	touch $@
@@ -46,9 +55,13 @@ repro: venv
 # (DVC, servers, imports), so two share 2 cores well: 23 min instead of 46 on a 2-core Zen 3 host
 # The sources are byte-compiled first: the suite starts hundreds of Python processes (stages, DVC, the CLI), and where
 # PYTHONDONTWRITEBYTECODE is set (CI images often set it) each would compile splatflow's modules again (~0.4 CPU-s).
+# The CPU training kernels compile into numba's cache (two helper processes, ~2 min on 2 cores after an install or a
+# kernel change; nothing when cached) while npm fetches the viewer's packages, instead of before the tests start.
 TEST_WORKERS ?= 2
-test: venv web
-	$(PY) -m compileall -q splatflow stages flows tests
+test: venv
+	$(PY) -c 'import torch; from splatflow.train.precompile import precompile; torch.cuda.is_available() or precompile(2)' \
+	  & kernels=$$!; $(MAKE) --no-print-directory web && $(PY) -m compileall -q splatflow stages flows tests; \
+	  rc=$$?; wait $$kernels && exit $$rc
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 ui: venv

@@ -28,31 +28,35 @@ def project(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def flow_run(project):
-    """Run the reconstruct flow once, in Prefect's test harness, tracking into the project's sqlite store."""
+def harness():
+    """Prefect's test harness (a temporary server and database) for every flow run of this module: one start."""
     from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=300):
+        yield
+
+
+@pytest.fixture(scope="module")
+def flow_run(project, harness):
+    """Run the reconstruct flow once, in Prefect's test harness, tracking into the project's sqlite store."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, FlowRunFilterId
+
+    from flows.reconstruct import reconstruct
 
     mp = pytest.MonkeyPatch()
     mp.setenv("SPLATFLOW_TRACKING", "on")
     mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{project / 'mlflow.db'}")
     mp.delenv("MLFLOW_RUN_ID", raising=False)
     try:
-        with prefect_test_harness(server_startup_timeout=300):
-            from prefect.client.orchestration import get_client
-            from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
-            from flows.reconstruct import reconstruct
-
-            state = reconstruct(scene="tiny", repo=str(project), return_state=True)
-            result = state.result(raise_on_failure=False)
-            from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
-
-            with get_client(sync_client=True) as client:
-                frid = state.state_details.flow_run_id
-                tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[frid])))
-                artifacts = client.read_artifacts(
-                    artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[frid])))
-            yield {"state": state, "result": result, "tasks": tasks, "artifacts": artifacts}
+        state = reconstruct(scene="tiny", repo=str(project), return_state=True)
+        result = state.result(raise_on_failure=False)
+        with get_client(sync_client=True) as client:
+            frid = state.state_details.flow_run_id
+            tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[frid])))
+            artifacts = client.read_artifacts(
+                artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[frid])))
+        yield {"state": state, "result": result, "tasks": tasks, "artifacts": artifacts}
     finally:
         mp.undo()
 
@@ -130,13 +134,12 @@ def test_rerun_of_previous_commit_reproduces_its_metrics(project, flow_run, monk
     assert Path(project / "NOTES.md").exists()
 
 
-def test_batch_rerun_skips_the_scenes_that_finished(tmp_path, monkeypatch):
+def test_batch_rerun_skips_the_scenes_that_finished(harness, tmp_path, monkeypatch):
     """A batch where scene ``b`` fails, then the same batch again: ``a`` finished the first time, so the rerun
     runs none of its stages (it records a skipped run pointing at the first) while ``b`` runs to the end.  One
     scene at a time (``max_concurrent=1``), enforced by the batch's Prefect concurrency limit: the scene runs of
     a batch never overlap, and the limit is gone afterwards."""
     from prefect.client.orchestration import get_client
-    from prefect.testing.utilities import prefect_test_harness
 
     from flows.batch import batch
     from tests.test_tracking import make_toy_project
@@ -160,24 +163,23 @@ def test_batch_rerun_skips_the_scenes_that_finished(tmp_path, monkeypatch):
                                  order_by=["attributes.start_time DESC"])
         return parents[0], {r.data.tags["splatflow.scene"]: r for r in tracking.child_runs(cl, parents[0].info.run_id)}
 
-    with prefect_test_harness(server_startup_timeout=300):
-        first = batch(scenes=["a", "b"], deployment=None, repo=str(toy), max_concurrent=1, return_state=True)
-        assert first.is_failed()
-        parent1, kids1 = children()
-        assert parent1.info.status == "FAILED"
-        assert kids1["a"].info.status == "FINISHED" and kids1["b"].info.status == "FAILED"
-        runs_1 = sorted(kids1.values(), key=lambda r: r.info.start_time)
-        assert runs_1[0].info.end_time <= runs_1[1].info.start_time, "max_concurrent=1 but the scene runs overlapped"
-        assert sorted(log.read_text().split("\n")[:-1]) == ["one a", "one b", "two a"]
+    first = batch(scenes=["a", "b"], deployment=None, repo=str(toy), max_concurrent=1, return_state=True)
+    assert first.is_failed()
+    parent1, kids1 = children()
+    assert parent1.info.status == "FAILED"
+    assert kids1["a"].info.status == "FINISHED" and kids1["b"].info.status == "FAILED"
+    runs_1 = sorted(kids1.values(), key=lambda r: r.info.start_time)
+    assert runs_1[0].info.end_time <= runs_1[1].info.start_time, "max_concurrent=1 but the scene runs overlapped"
+    assert sorted(log.read_text().split("\n")[:-1]) == ["one a", "one b", "two a"]
 
-        log.write_text("")
-        monkeypatch.delenv("FAKE_FAIL_SCENE")
-        second = batch(scenes=["a", "b"], deployment=None, repo=str(toy), max_concurrent=1, return_state=True)
-        assert second.is_completed(), second
-        results = {r["job"]: r for r in second.result()}
-        with get_client(sync_client=True) as client:
-            limits = client.read_global_concurrency_limits(limit=200)
-        assert not [c.name for c in limits if c.name.startswith("splatflow-batch-")], "the batch left its limit"
+    log.write_text("")
+    monkeypatch.delenv("FAKE_FAIL_SCENE")
+    second = batch(scenes=["a", "b"], deployment=None, repo=str(toy), max_concurrent=1, return_state=True)
+    assert second.is_completed(), second
+    results = {r["job"]: r for r in second.result()}
+    with get_client(sync_client=True) as client:
+        limits = client.read_global_concurrency_limits(limit=200)
+    assert not [c.name for c in limits if c.name.startswith("splatflow-batch-")], "the batch left its limit"
 
     # scene a: no stage ran again; its new run says so, points at the finished one and carries its results
     assert sorted(log.read_text().split("\n")[:-1]) == ["one b", "two b"]

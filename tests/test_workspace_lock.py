@@ -17,12 +17,13 @@ from tests._project import BIN, make_project, project_env
 
 pytestmark = pytest.mark.slow  # runs the pipeline through DVC
 
+# holds the workspace for argv[2] seconds, or until a line (or EOF) comes on its stdin
 HOLD = """
-import sys, time
+import select, sys
 from splatflow.orchestrate.workspace import workspace_lock
 with workspace_lock(sys.argv[1]):
     print("held", flush=True)
-    time.sleep(float(sys.argv[2]))
+    select.select([sys.stdin], [], [], float(sys.argv[2]))
 """
 
 
@@ -42,7 +43,7 @@ def _cli(root: Path, *args: str, timeout: float = 300) -> subprocess.CompletedPr
 
 def _holder(root: Path, seconds: float) -> subprocess.Popen:
     p = subprocess.Popen([sys.executable, "-c", HOLD, str(root), str(seconds)], cwd=root, env=project_env(),
-                         stdout=subprocess.PIPE, text=True)
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "held"
     return p
 
@@ -61,12 +62,50 @@ def test_second_run_stops_at_once_naming_the_holder(proj):
     assert "$ dvc repro" not in r.stdout  # DVC was never started
 
 
+def _cmdline(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:
+        return ""
+
+
 def test_second_run_waits_for_the_first_then_runs(proj):
-    holder = _holder(proj, 20)  # longer than the CLI takes to start on a loaded machine
-    r = _cli(proj, "run", "tiny")
-    assert holder.poll() is not None  # the run went ahead only after the holder ended
-    assert "waiting:" in r.stderr and f"pid {holder.pid}" in " ".join(r.stderr.split()), r.stderr
-    assert "$ dvc repro" in r.stdout and r.returncode != 3
+    import threading
+
+    holder = _holder(proj, 300)  # until the run says it waits (or 300 s)
+    cli = subprocess.Popen([sys.executable, "-m", "splatflow.cli", "run", "tiny"], cwd=proj, env=project_env(),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    err: list[str] = []
+    waiting = threading.Event()
+
+    def read_stderr():
+        for line in cli.stderr:
+            err.append(line)
+            if "waiting:" in line:
+                waiting.set()
+        waiting.set()
+
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
+    try:
+        waiting.wait(300)
+        time.sleep(2)
+        # it waits instead of running or stopping: alive, and no dvc below it yet
+        assert cli.poll() is None, "".join(err)
+        assert not [c for c in psutil.Process(cli.pid).children(recursive=True) if "dvc" in _cmdline(c)]
+        holder.stdin.close()  # the holder leaves its `with workspace_lock` and ends
+        holder.wait(60)
+        out = cli.stdout.read()
+        cli.wait(300)
+        reader.join(60)
+    finally:
+        for p in (cli, holder):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    stderr = "".join(err)
+    assert "waiting:" in stderr and f"pid {holder.pid}" in " ".join(stderr.split()), stderr
+    assert "$ dvc repro" in out and cli.returncode != 3  # the run went ahead once the holder ended
 
 
 def test_a_plain_dvc_repro_in_the_checkout_is_waited_for_and_named(tmp_path):
