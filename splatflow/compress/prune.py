@@ -303,8 +303,10 @@ def phases_key(train_ckpt, split_json, cfg, train_cfg, seed: int) -> str:
 
 def save_phases(path, key: str, state: dict) -> None:
     """Write the state after a finished phase; a SIGTERM meanwhile waits for the write, then stops the run."""
-    with stop.cooperative():
-        save_checkpoint(path, {"key": key, "splats": Splats.of(state["splats"]).stored().as_dict(),
+    splats = Splats.of(state["splats"]).stored()
+    with stop.cooperative():  # the splats as a dict, the 3D smoothing filter in it when the model has one
+        save_checkpoint(path, {"key": key, "splats": {**splats.as_dict(), **({} if splats.filter_3d is None else
+                                                                            {"filter_3d": splats.filter_3d})},
                                "report": state["report"], "accepted_psnr": state["accepted_psnr"],
                                "next_phase": state["next_phase"]})
     stop.raise_if_requested(f"after saving prune phase {state['next_phase'] - 1} to {path}")

@@ -13,7 +13,12 @@ def as_numpy_splats(splats: dict, sh_degree: int | None = None) -> dict[str, np.
 
     Zeroing matters for export: a model trained with active degree d < allocated degree still carries the
     higher coefficients, which we never render with; a viewer would use them, so they are written as 0.
+    A model with a 3D smoothing filter (``Splats.filter_3d``) is baked first (``Splats.baked``): its scales and
+    opacities are the filtered ones, what the model renders, since no file format or viewer knows the filter.
     """
+    bake = getattr(splats, "baked", None)
+    if callable(bake):
+        splats = bake()
     missing = [k for k in KEYS if k not in splats]
     if missing:
         raise ValueError(f"splats dict lacks {missing}; expected keys {KEYS}")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import os
 import tempfile
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -25,6 +25,7 @@ from splatflow.pipeline.config import TrainConfig
 from splatflow.pipeline.errors import UserError
 from splatflow.render import rasterize, resolve_backend
 from splatflow.scene.cameras import camera_centers
+from splatflow.gaussians import smoothing
 from splatflow.gaussians.sh import SH_C0
 
 SPLAT_KEYS = ("means", "quats", "scales", "opacities", "sh0", "shN")
@@ -126,6 +127,11 @@ class Splats:
     ``torch.nn.Parameter`` dict renders with gradients flowing back to them. Key access (``splats["means"]``,
     ``keys()``, ``items()``, ``in``) reads the same tensors in checkpoint order, for code written against the
     dict layout of gsplat's strategies.
+
+    ``filter_3d`` (``[N]`` world units, or None) is Mip-Splatting's 3D smoothing filter of a model trained with
+    ``train.filter_3d`` (:mod:`splatflow.gaussians.smoothing`): not a parameter but part of the model, so every
+    copy, selection and move keeps it with its rows, :meth:`activated` renders with it and :meth:`baked` folds it
+    into the scales and opacities for the files other viewers read.
     """
 
     means: torch.Tensor  # [N, 3] world positions
@@ -134,19 +140,20 @@ class Splats:
     opacities: torch.Tensor  # [N] logit opacities
     sh0: torch.Tensor  # [N, 1, 3] DC SH coefficient
     shN: torch.Tensor  # [N, K-1, 3] higher SH bands, K = (max_sh_degree + 1)^2
+    filter_3d: torch.Tensor | None = None  # [N] 3D smoothing filter's standard deviation (world units), or None
 
     # ---------------------------------------------------------------------------------------- construction
     @classmethod
     def of(cls, obj: "Splats | Mapping[str, torch.Tensor]", source: str = "splats") -> "Splats":
-        """``obj`` itself, or a ``Splats`` over a dict's six tensors (no copy). A missing key raises
-        :class:`UserError` naming ``source`` and the keys."""
+        """``obj`` itself, or a ``Splats`` over a dict's six tensors (and its ``filter_3d`` when it has one; no
+        copy). A missing key raises :class:`UserError` naming ``source`` and the keys."""
         if isinstance(obj, Splats):
             return obj
         missing = [k for k in SPLAT_KEYS if k not in obj]
         if missing:
             raise UserError(f"{source}: lacks {', '.join(missing)} (a model needs {', '.join(SPLAT_KEYS)}); "
                             "rerun the stage that wrote it")
-        return cls(**{k: obj[k] for k in SPLAT_KEYS})
+        return cls(**{k: obj[k] for k in SPLAT_KEYS}, filter_3d=obj.get("filter_3d"))
 
     @classmethod
     def empty(cls, sh_degree: int = 0, device: torch.device | str = "cpu") -> "Splats":
@@ -180,8 +187,14 @@ class Splats:
         return {k: getattr(self, k) for k in SPLAT_KEYS}
 
     def map(self, fn) -> "Splats":
-        """A ``Splats`` of ``fn(tensor)`` for each of the six tensors."""
-        return Splats(**{k: fn(getattr(self, k)) for k in SPLAT_KEYS})
+        """A ``Splats`` of ``fn(tensor)`` for each of the six tensors and the filter (a row operation, a copy or a
+        move keeps the filter with its rows)."""
+        filt = None if self.filter_3d is None else fn(self.filter_3d)
+        return Splats(**{k: fn(getattr(self, k)) for k in SPLAT_KEYS}, filter_3d=filt)
+
+    def with_filter(self, filter_3d: torch.Tensor | None) -> "Splats":
+        """The same tensors with the 3D smoothing filter ``filter_3d`` (``[N]``; None: without one)."""
+        return replace(self, filter_3d=filter_3d)
 
     # ---------------------------------------------------------------------------------------- facts
     @property
@@ -215,7 +228,9 @@ class Splats:
     # ---------------------------------------------------------------------------------------- views and copies
     def activated(self, sh_degree: int | None = None, *, sh_pair: bool = False) -> Activated:
         """Rasterizer inputs: ``exp`` of the log scales, ``sigmoid`` of the logits, ``sh0`` and ``shN`` joined
-        into ``colors [N, K, 3]``, only the ``(sh_degree+1)^2`` active bands when ``sh_degree`` is given.
+        into ``colors [N, K, 3]``, only the ``(sh_degree+1)^2`` active bands when ``sh_degree`` is given; with a
+        3D smoothing filter the effective scales and opacities (:func:`splatflow.gaussians.smoothing.smoothed`), so
+        training, validation, evaluation and pruning render one model alike.
         Differentiable: gradients reach the raw tensors. ``sh_pair``: ``colors`` is the pair ``(sh0, shN)`` itself
         (all bands; the rasterizer uses the active ones), which spares a training step joining them and splitting
         their gradient."""
@@ -224,8 +239,21 @@ class Splats:
             raise ValueError(f"sh_degree {sh_degree} needs {k} SH coefficients per channel; these splats hold "
                              f"{self.shN.shape[1] + 1} (max degree {self.max_sh_degree})")
         colors = (self.sh0, self.shN) if sh_pair else torch.cat([self.sh0, self.shN[:, : k - 1]], dim=1)
-        return Activated(means=self.means, quats=self.quats, scales=torch.exp(self.scales),
-                         opacities=torch.sigmoid(self.opacities), colors=colors)  # [N, K, 3] or the pair
+        scales, opacities = torch.exp(self.scales), torch.sigmoid(self.opacities)
+        if self.filter_3d is not None:
+            scales, opacities = smoothing.smoothed(scales, opacities, self.filter_3d)
+        return Activated(means=self.means, quats=self.quats, scales=scales, opacities=opacities,
+                         colors=colors)  # [N, K, 3] or the pair
+
+    def baked(self) -> "Splats":
+        """Without a filter, ``self``; with one, detached copies whose log scales and logit opacities are the
+        filtered Gaussians' (:func:`splatflow.gaussians.smoothing.baked`) and no filter: what renders the same
+        image in any viewer, and what every file writer is given (:func:`splatflow.formats.common.as_numpy_splats`
+        bakes what it is handed)."""
+        if self.filter_3d is None:
+            return self
+        log_s, logit_o = smoothing.baked(self.scales.detach(), self.opacities.detach(), self.filter_3d.detach())
+        return replace(self.detach(), scales=log_s, opacities=logit_o, filter_3d=None)
 
     def select(self, idx: torch.Tensor) -> "Splats":
         """The Gaussians ``idx`` (indices or a ``[N]`` bool mask), as detached contiguous copies."""
@@ -277,7 +305,7 @@ class Splats:
         if len(sh) != 3 or sh[0] != n or sh[2] != 3 or sh[1] + 1 not in (1, 4, 9, 16):
             raise bad(f"shN has shape {sh}, expected ({n}, K-1, 3) with K = (d+1)^2 for an SH degree d in 0..3")
         if n == 0:
-            return self
+            return self._validate_filter(bad)
         for k in SPLAT_KEYS:
             t = getattr(self, k)
             finite = torch.isfinite(t.detach())
@@ -287,6 +315,22 @@ class Splats:
         zero = int((self.quats.detach().abs().sum(dim=1) == 0).sum())
         if zero:
             raise bad(f"quats holds {zero} all-zero quaternions (no rotation can be made from them)")
+        return self._validate_filter(bad)
+
+    def _validate_filter(self, bad) -> "Splats":
+        """``self`` when the 3D smoothing filter is None or a finite, non-negative ``[N]`` tensor on the
+        parameters' device; else ``bad(message)`` raised."""
+        f = self.filter_3d
+        if f is None:
+            return self
+        if not isinstance(f, torch.Tensor) or not f.is_floating_point():
+            raise bad(f"filter_3d is a {getattr(f, 'dtype', type(f).__name__)}, expected a float tensor")
+        if tuple(f.shape) != (self.n,):
+            raise bad(f"filter_3d has shape {tuple(f.shape)}, expected ({self.n},) (one per Gaussian)")
+        if f.device != self.means.device:
+            raise bad(f"filter_3d lives on {f.device}, the parameters on {self.means.device}")
+        if self.n and not bool((torch.isfinite(f) & (f >= 0)).all()):
+            raise bad("filter_3d holds negative, NaN or Inf values")
         return self
 
     # ---------------------------------------------------------------------------------------- checkpoints
@@ -336,7 +380,8 @@ class Checkpoint:
     """A model on disk: the parameters, the SH degree to render with, and what the writer adds.
 
     On disk it is a plain dict (:meth:`to_dict`, docs/CONTRACTS.md "Checkpoint"): ``splats`` (the six float32 CPU
-    tensors), ``sh_degree`` and ``step`` always; ``finished`` and ``prune_during`` when set; train's resume state
+    tensors), ``sh_degree`` and ``step`` always; ``finished`` and ``prune_during`` when set, ``filter_3d`` (the
+    splats' 3D smoothing filter, ``[N]``) for a model trained with one; train's resume state
     (:attr:`train`: optimizer, strategy, RNG and stopper state, config hash, seed, ...) as further top-level keys.
     Readers ignore keys they do not know and default the ones a file lacks, so checkpoints written before this
     type existed (the same keys, tensors possibly saved as parameters, float64 or non-contiguous) still load
@@ -360,7 +405,9 @@ class Checkpoint:
             d["prune_during"] = self.prune_during
         if self.rasterize_mode != "classic":  # (absent: classic, as every checkpoint written before the key)
             d["rasterize_mode"] = self.rasterize_mode
-        clash = sorted(set(self.train) & (set(d) | {"finished", "prune_during", "rasterize_mode"}))
+        if self.splats.filter_3d is not None:  # (absent: trained without the 3D smoothing filter)
+            d["filter_3d"] = self.splats.filter_3d.detach().to("cpu", torch.float32).contiguous()
+        clash = sorted(set(self.train) & (set(d) | {"finished", "prune_during", "rasterize_mode", "filter_3d"}))
         if clash:
             raise ValueError(f"train state keys {clash} would overwrite the checkpoint's own entries")
         d.update(self.train)
@@ -373,8 +420,9 @@ class Checkpoint:
         fix = "delete it and rerun the stage that wrote it"
         if not isinstance(d, Mapping) or "splats" not in d:
             raise UserError(f"{source}: not a splatflow checkpoint (no 'splats' entry); {fix}")
-        splats = Splats.of(d["splats"], source).validate(source, fix).stored(copy=False)
-        own = {f.name for f in fields(cls)}
+        splats = Splats.of(d["splats"], source)
+        splats = splats.with_filter(d.get("filter_3d", splats.filter_3d)).validate(source, fix).stored(copy=False)
+        own = {f.name for f in fields(cls)} | {"filter_3d"}
         finished = d.get("finished")
         return cls(splats=splats, sh_degree=int(d.get("sh_degree", 0)), step=int(d.get("step", 0)),
                    finished=None if finished is None else bool(finished), prune_during=d.get("prune_during"),

@@ -422,6 +422,10 @@ class TrainConfig:
     # classic: 3DGS's 0.3 px screen-space dilation; antialiased: the dilation with its opacity compensation
     # (Mip-Splatting's 2D filter, gsplat's rasterize_mode). The model records it; evaluate renders with it
     rasterize_mode: Literal["classic", "antialiased"] = "classic"
+    # Mip-Splatting's 3D smoothing filter (splatflow.gaussians.smoothing): every Gaussian low-passed to what the
+    # training cameras can resolve (variance 0.2 px^2 at its highest sampling rate), recomputed at the start and
+    # after each densification event. The checkpoint keeps the filter; export bakes it into scales and opacities
+    filter_3d: bool = False
     lr: LearningRates = field(default_factory=LearningRates)
     resolution: tuple[ResolutionPhase, ...] = field(default_factory=_default_phases)
     blur: BlurConfig = field(default_factory=BlurConfig)

@@ -22,7 +22,6 @@ from pathlib import Path
 
 from splatflow.pipeline.errors import UserError
 from splatflow.formats.common import as_numpy_splats
-from splatflow.gaussians.model import SPLAT_KEYS
 
 ENV = "SPLATFLOW_LIVE_VIEW"  # host:port to serve the live view on (unset: no live view)
 ENV_EVERY = "SPLATFLOW_LIVE_VIEW_EVERY_S"  # seconds between two refreshes
@@ -92,7 +91,7 @@ class LiveView:
         if trainer.step < trainer.cfg.max_steps and (self._busy or now - self._last < self.every_s):
             return  # (the last step's model is always handed over: the view ends on the trained splat)
         self._last = now
-        snapshot = {k: trainer.state.params[k].detach().to("cpu", copy=True) for k in SPLAT_KEYS}
+        snapshot = trainer.state.splats().stored()  # CPU copies, the 3D smoothing filter with them (baked in _show)
         with self._wake:
             self._busy = True
             self._pending = (snapshot, int(trainer.step), int(trainer.cfg.max_steps), self._psnr,
@@ -118,8 +117,8 @@ class LiveView:
                     self._busy = False
                     self._wake.notify_all()
 
-    def _show(self, snapshot: dict, step: int, max_steps: int, psnr: float | None, degree: int) -> None:
-        splats = as_numpy_splats(snapshot, degree)  # bands not trained yet are zero, as in an export
+    def _show(self, snapshot, step: int, max_steps: int, psnr: float | None, degree: int) -> None:
+        splats = as_numpy_splats(snapshot, degree)  # as in an export: bands not trained yet zero, the filter baked
         status = (f"{self.title}: training, step {step:,} / {max_steps:,}, "
                   + (f"PSNR {psnr:.2f} dB" if psnr is not None else "PSNR not logged yet"))
         if self.viewer is None:

@@ -35,6 +35,8 @@ def config_hash(cfg: TrainConfig) -> str:
     d = section_dict(cfg)
     for k in QUIET_SETTINGS:
         d.pop(k, None)
+    if not d.get("filter_3d"):  # off: the hash of the settings before the switch existed (their checkpoints resume)
+        d.pop("filter_3d", None)
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 

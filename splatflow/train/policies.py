@@ -1,5 +1,6 @@
-"""The training policies a run is built from (the hooks: :mod:`.hooks`): densification, the spatial order of
-the rows, pruning during training (:mod:`.prune_during`), the per-view appearance transforms (:mod:`.appearance`),
+"""The training policies a run is built from (the hooks: :mod:`.hooks`): densification, the 3D smoothing filter
+(:class:`Smoothing3D`), the spatial order of the rows, pruning during training (:mod:`.prune_during`), the per-view
+appearance transforms (:mod:`.appearance`),
 and the optimizer step (one per run: :class:`AdamStep`, :class:`VisibleAdamStep` or :class:`SparseStep`,
 ``train.sparse_step``, :mod:`.sparse`; each says whether a step renders only its candidate rows, ``sparse``, and
 makes the step, ``step(gs, info)``). :func:`for_run` builds them from the train settings as a :class:`RunPolicies`:
@@ -11,10 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 
 from splatflow.pipeline.config import TrainConfig
 from splatflow.gaussians.model import SPLAT_KEYS
+from splatflow.gaussians.smoothing import filter_3d
 from splatflow.train.appearance import Appearance
 from splatflow.train.hooks import Policy
 from splatflow.train.prune_during import PruneDuring
@@ -56,6 +59,33 @@ class Densify(Policy):
         ev = getattr(self.strategy, "last_event", None)
         if ev:
             info["refine"] = ev
+
+
+class Smoothing3D(Policy):
+    """Mip-Splatting's 3D smoothing filter (``train.filter_3d``; Yu et al., CVPR 2024, §4;
+    :mod:`splatflow.gaussians.smoothing`): each Gaussian's filter from the training ``views``' cameras (at the
+    working resolution), computed when the run starts and again after every densification event (the paper's
+    schedule; positions drift little in between), into ``gs.filter_3d``, which every render of the run applies.
+    It comes right after the densification in hook order: a refine changes the rows without it, and the row
+    operations of the later policies move the filter with the rows."""
+
+    def __init__(self, views, device: torch.device | str):
+        self.viewmats = torch.as_tensor(np.stack([v.world_to_cam for v in views]), dtype=torch.float32,
+                                        device=device)  # [C, 4, 4]
+        self.Ks = torch.as_tensor(np.stack([v.K for v in views]), dtype=torch.float32, device=device)  # [C, 3, 3]
+        self.widths = [int(v.width) for v in views]
+        self.heights = [int(v.height) for v in views]
+
+    def update(self, gs: GaussianState) -> None:
+        """Recompute the filter of every row from its current position."""
+        gs.filter_3d = filter_3d(gs.params["means"].detach(), self.viewmats, self.Ks, self.widths, self.heights)
+
+    def initialize(self, gs: GaussianState, scene_scale: float) -> None:
+        self.update(gs)
+
+    def step_post_backward(self, gs, step, info, *, lr=0.0) -> None:
+        if info.get("refine"):  # rows added, removed or moved (and, harmlessly, an opacity reset)
+            self.update(gs)
 
 
 class SpatialOrder(Policy):
@@ -118,21 +148,23 @@ class RunPolicies:
     appearance: Appearance | None = None
 
 
-def for_run(cfg: TrainConfig, *, cpu: bool, densify: bool, initial_count: int, n_views: int,
+def for_run(cfg: TrainConfig, *, cpu: bool, densify: bool, initial_count: int, views,
             device: torch.device | str = "cpu") -> RunPolicies:
-    """The policies of a run of ``n_views`` training views: the hooks in hook order (densification, the spatial
-    order on the CPU, pruning during training, the appearance transforms; those switched on, none but the spatial
-    order and the appearance transforms for ``densify=False``), and its optimizer step."""
+    """The policies of a run on the training ``views``: the hooks in hook order (densification, the 3D smoothing
+    filter, the spatial order on the CPU, pruning during training, the appearance transforms; those switched on,
+    none but the filter, the spatial order and the appearance transforms for ``densify=False``), and its optimizer
+    step."""
     strategy = make_strategy(cfg.densify, max_steps=cfg.max_steps, initial_count=initial_count) if densify else None
     dens = Densify(strategy) if strategy is not None else None
     pruner = PruneDuring.from_config(cfg.prune_during, cfg.max_steps) if densify and cfg.prune_during.enabled \
         else None
     order = SpatialOrder() if cfg.spatial_order and cpu else None
     # train.appearance: a colour transform per training view between the render and the loss
-    appearance = Appearance(n_views, cfg.appearance, cfg.max_steps, device) if cfg.appearance.enabled else None
+    appearance = Appearance(len(views), cfg.appearance, cfg.max_steps, device) if cfg.appearance.enabled else None
+    smoothing = Smoothing3D(views, device) if cfg.filter_3d else None  # train.filter_3d
     adam = SparseStep() if sparse_ok(cfg, cpu, dens) else VisibleAdamStep() if cfg.visible_adam else AdamStep()
-    return RunPolicies([p for p in (dens, order, pruner, appearance) if p is not None], adam, dens, pruner,
-                       appearance)
+    return RunPolicies([p for p in (dens, smoothing, order, pruner, appearance) if p is not None], adam, dens,
+                       pruner, appearance)
 
 
 def with_strategy(policies: RunPolicies, gs: GaussianState, strategy: Strategy, scene_scale: float) -> RunPolicies:

@@ -78,7 +78,7 @@ class TrainingRun:
         splats = Splats.of(splats, "the initial splats").validate("the initial splats", "check where they come from")
         self.initial_count = splats.n
         self.run_policies = policies.for_run(cfg, cpu=cpu, densify=densify, initial_count=splats.n,
-                                             n_views=len(self.views), device=self.device)
+                                             views=self.views, device=self.device)
         lrs = {"means": self.sched.means_lr.lr(0), "scales": cfg.lr.scales, "quats": cfg.lr.quats,
                "opacities": cfg.lr.opacities, "sh0": cfg.lr.sh0, "shN": cfg.lr.shN}
         self.state = GaussianState(splats, lrs, self.device, sparse=self.adam.sparse)
@@ -129,7 +129,8 @@ class TrainingRun:
     def render(self, i: int, factor: float, sh_degree: int, background: torch.Tensor | None = None,
                patch: bool = False, sparse: bool = False):
         """Training view ``i`` rendered from the state (:meth:`splatflow.train.views.TrainingViews.render`)."""
-        return self.data.render(self.state.params, i, factor, sh_degree, background, patch, sparse)
+        return self.data.render(self.state.params, i, factor, sh_degree, background, patch, sparse,
+                                self.state.filter_3d)
 
     @torch.no_grad()
     def validate(self) -> float:

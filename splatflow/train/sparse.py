@@ -36,14 +36,18 @@ NEAR_PLANE, FAR_PLANE, EPS2D = 0.01, 1e10, 0.3
 
 @torch.no_grad()
 def candidates(params: dict, viewmat: torch.Tensor, K: torch.Tensor, width: int, height: int,
-               window: tuple[int, int, int, int] | None) -> torch.Tensor:
+               window: tuple[int, int, int, int] | None, filter_3d: torch.Tensor | None = None) -> torch.Tensor:
     """Indices (int64, ascending) of the Gaussians that may reach ``window`` (``(x0, y0, w, h)``; None = the whole
-    ``width`` x ``height`` view) of the camera ``viewmat`` [4, 4] / ``K`` [3, 3]; CPU tensors."""
+    ``width`` x ``height`` view) of the camera ``viewmat`` [4, 4] / ``K`` [3, 3]; CPU tensors. With a 3D smoothing
+    filter ``filter_3d`` [N] the bound takes the filtered scales (the raw opacity bounds the filtered one)."""
     x0, y0, ww, wh = window if window is not None else (0, 0, int(width), int(height))
+    log_scales = params["scales"].detach()  # [N, 3]
+    if filter_3d is not None:  # log sqrt(s^2 + f^2) = log s + log1p(f^2 / s^2) / 2
+        log_scales = log_scales + 0.5 * torch.log1p((filter_3d * filter_3d)[:, None] * torch.exp(-2.0 * log_scales))
     # C order always (a K built from a transposed array is F order): one compiled variant, the one precompiled
     vm = np.ascontiguousarray(viewmat.detach().to(torch.float64).reshape(1, 4, 4).numpy())
     ks = np.ascontiguousarray(K.detach().to(torch.float64).reshape(1, 3, 3).numpy())
-    mask = window_candidates(params["means"].detach().numpy(), params["scales"].detach().numpy(),
+    mask = window_candidates(params["means"].detach().numpy(), log_scales.contiguous().numpy(),
                              params["opacities"].detach().numpy(), vm, ks, int(width), int(height), NEAR_PLANE,
                              FAR_PLANE, EPS2D, int(x0), int(y0), int(x0 + ww), int(y0 + wh))
     return torch.from_numpy(np.flatnonzero(mask))

@@ -33,9 +33,12 @@ ADAM_ROW_KEYS = ("exp_avg", "exp_avg_sq")
 class GaussianState:
     """``params`` (the six ``torch.nn.Parameter`` groups, gsplat's naming), ``optimizers`` (one Adam per group),
     ``strategy`` (the densification strategy's state dict, gsplat's layout; ``{}`` without one) and ``sparse``
-    (the sparse step's :class:`~splatflow.train.sparse.SparseAdam` bookkeeping, None for dense steps).
+    (the sparse step's :class:`~splatflow.train.sparse.SparseAdam` bookkeeping, None for dense steps) and
+    ``filter_3d`` (Mip-Splatting's 3D smoothing filter, ``[N]``, a row of every Gaussian but no parameter; None
+    without one: ``train.filter_3d``'s policy sets it, :class:`splatflow.train.policies.Smoothing3D`).
 
-    ``splats`` are copied to ``device`` as float32 parameters; ``lrs`` are the groups' learning rates.
+    ``splats`` are copied to ``device`` as float32 parameters (their filter, when they have one, as the filter);
+    ``lrs`` are the groups' learning rates.
     """
 
     def __init__(self, splats, lrs: dict[str, float], device: torch.device | str, *, sparse: bool = False):
@@ -45,6 +48,8 @@ class GaussianState:
         self.optimizers = optim.make_optimizers(self.params, lrs)
         self.strategy: dict = {}
         self.sparse = SparseAdam(self.params, self.optimizers) if sparse else None
+        self.filter_3d: torch.Tensor | None = None if splats.filter_3d is None else \
+            splats.filter_3d.detach().to(device, torch.float32, copy=True)  # [N]
 
     # ------------------------------------------------------------------------------------------ reading
     @property
@@ -57,9 +62,9 @@ class GaussianState:
         return self.params["means"].device
 
     def splats(self) -> Splats:
-        """The parameters as :class:`~splatflow.gaussians.model.Splats` (the same tensors: renders differentiate
-        them)."""
-        return Splats.of(self.params)
+        """The parameters and the 3D smoothing filter as :class:`~splatflow.gaussians.model.Splats` (the same
+        tensors: renders differentiate them)."""
+        return Splats.of(self.params).with_filter(self.filter_3d)
 
     def set_lr(self, group: str, lr: float) -> None:
         for g in self.optimizers[group].param_groups:
@@ -106,10 +111,17 @@ class GaussianState:
     # ------------------------------------------------------------------------------------------ row operations
     def _replace(self, fn_param, fn_moment, fn_row) -> None:
         """Apply the row operation to every parameter (``fn_param(name, tensor) -> tensor``), its Adam moments
-        (``fn_moment``) and the strategy's per-row tensors (``fn_row``), as new ``Parameter`` objects (as gsplat's
+        (``fn_moment``), the strategy's per-row tensors (``fn_row``) and the 3D smoothing filter (as a parameter,
+        ``fn_param("filter_3d", tensor)``: it moves with the Gaussian), as new ``Parameter`` objects (as gsplat's
         strategy ops make), with every row brought up to date first."""
         self.flush()
         n_old = self.n
+        if self.filter_3d is not None:
+            if self.filter_3d.shape[0] != n_old:  # a strategy changed the rows without the filter policy after it
+                raise RuntimeError(f"the 3D smoothing filter has {self.filter_3d.shape[0]} rows, the model {n_old}: "
+                                   "the filter must be recomputed after a densification event before a row operation")
+            with torch.no_grad():
+                self.filter_3d = fn_param("filter_3d", self.filter_3d).contiguous()
         with torch.no_grad():
             for k in SPLAT_KEYS:
                 old = self.params[k]
@@ -157,7 +169,12 @@ class GaussianState:
         def zeros_after(t: torch.Tensor) -> torch.Tensor:
             return torch.cat([t, t.new_zeros((m, *t.shape[1:]))])
 
-        self._replace(lambda k, p: torch.cat([p, values[k].to(p.device, p.dtype)]), zeros_after, zeros_after)
+        def param(k: str, p: torch.Tensor) -> torch.Tensor:
+            if k == "filter_3d" and k not in values:  # no filter given: none until the next recompute
+                return zeros_after(p)
+            return torch.cat([p, values[k].to(p.device, p.dtype)])
+
+        self._replace(param, zeros_after, zeros_after)
 
     def relocate(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Move Gaussians ``dst`` onto ``src``: rows ``dst`` take the parameters of rows ``src`` (3DGS-MCMC's
@@ -178,12 +195,15 @@ class GaussianState:
 
     # ------------------------------------------------------------------------------------------ undo
     def snapshot(self) -> dict:
-        """Copies of the parameters and their Adam state (what :meth:`restore` puts back)."""
+        """Copies of the parameters, their Adam state and the 3D smoothing filter (what :meth:`restore` puts
+        back)."""
         out = {}
         for k in SPLAT_KEYS:
             p = self.params[k]
             st = self.optimizers[k].state.get(p, {})
             out[k] = {"param": p.detach().clone(), **{n: v.detach().clone() for n, v in st.items()}}
+        if self.filter_3d is not None:
+            out["filter_3d"] = self.filter_3d.clone()
         return out
 
     def restore(self, snap: dict) -> None:
@@ -200,6 +220,8 @@ class GaussianState:
             if st:
                 opt.state[new] = st
             self.params[k] = new
+        if snap.get("filter_3d") is not None:
+            self.filter_3d = snap["filter_3d"].clone().to(self.device)
         for name in ROW_KEYS:
             if isinstance(self.strategy.get(name), torch.Tensor):
                 self.strategy[name] = None
@@ -210,7 +232,7 @@ class GaussianState:
         """Everything a checkpoint holds of the Gaussians, every tensor on the CPU: ``splats`` (the parameters as
         they are), ``optimizers`` (each group's Adam state dict), ``strategy_state`` and, while rows are behind
         (an unfinished run of the sparse step), ``sparse`` (their bookkeeping, for a bit-exact resume)."""
-        d = {"splats": self.splats().stored(),
+        d = {"splats": self.splats().stored(),  # with the 3D smoothing filter, when there is one
              "optimizers": to_device({k: o.state_dict() for k, o in self.optimizers.items()}, "cpu"),
              "strategy_state": to_device(self.strategy, "cpu")}
         if self.pending:
@@ -224,6 +246,7 @@ class GaussianState:
         device = self.device
         splats = Splats.of(d["splats"])
         self.params = {k: torch.nn.Parameter(splats[k].to(device, copy=True)) for k in SPLAT_KEYS}
+        self.filter_3d = None if splats.filter_3d is None else splats.filter_3d.to(device, copy=True)
         for k in SPLAT_KEYS:
             opt = optim.adam(self.params[k], 1.0)  # the learning rate comes with the state
             opt.load_state_dict(_copied(d["optimizers"][k], device))

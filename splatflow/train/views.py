@@ -40,8 +40,9 @@ class TrainingViews:
         self.val_ids = sorted({int(round(x)) for x in np.linspace(0, len(self.views) - 1, n_val)})
 
     def render(self, params: dict, i: int, factor: float, sh_degree: int, background: torch.Tensor | None = None,
-               patch: bool = False, sparse: bool = False):
-        """Render view ``i`` at ``factor`` with ``params``: ``(rgb [H, W, 3], target [H, W, 3], info)``.
+               patch: bool = False, sparse: bool = False, filter_3d: torch.Tensor | None = None):
+        """Render view ``i`` at ``factor`` with ``params`` (and the 3D smoothing filter ``filter_3d`` [N], when
+        the model has one: ``Splats.activated`` applies it): ``(rgb [H, W, 3], target [H, W, 3], info)``.
 
         With ``patch`` and a level larger than its window budget (:func:`~splatflow.train.windows.level_budget`),
         only a random window of that area is rendered (the rasterizer's ``window``: exactly those pixels of the
@@ -58,11 +59,12 @@ class TrainingViews:
         Kt = self._k.get((i, factor))  # [3, 3]: uploaded once per view and level (an upload waits for the GPU)
         if Kt is None:
             Kt = self._k[(i, factor)] = torch.as_tensor(K, dtype=torch.float32, device=self.device)
-        src, rows = params, None
+        src, rows, filt = params, None, filter_3d
         if sparse:
-            rows = candidates(params, self.viewmats[i], Kt, w, h, win)  # [n] int64
+            rows = candidates(params, self.viewmats[i], Kt, w, h, win, filter_3d)  # [n] int64
             src = {k: params[k].detach().index_select(0, rows).requires_grad_(True) for k in SPLAT_KEYS}
-        a = Splats.of(src).activated(sh_degree, sh_pair=True)  # differentiable: grads reach src
+            filt = None if filt is None else filt.index_select(0, rows)
+        a = Splats.of(src).with_filter(filt).activated(sh_degree, sh_pair=True)  # differentiable: grads reach src
         rgb, _, info = rasterize(
             a.means, a.quats, a.scales, a.opacities, a.colors, self.viewmats[i][None], Kt[None], w, h,
             sh_degree=sh_degree, backgrounds=None if background is None else background[None],
