@@ -60,17 +60,19 @@ def test_strict_default_device_catches_a_forgotten_device(strict_default_device)
         float((x + torch.ones(3)).sum())
 
 
-@pytest.mark.parametrize("strategy", ["default", "mcmc"])
-def test_training_allocates_only_on_the_run_device(scene, tmp_path, strict_default_device, strategy):
+@pytest.mark.parametrize("strategy,filter_3d", [("default", False), ("mcmc", False), ("default", True)])
+def test_training_allocates_only_on_the_run_device(scene, tmp_path, strict_default_device, strategy, filter_3d):
     from splatflow.train import Trainer
 
-    tr = Trainer(scene, _cfg(strategy), ckpt_path=tmp_path / "ckpt.pt", csv_path=tmp_path / "t.csv", seed=1)
+    tr = Trainer(scene, replace(_cfg(strategy), filter_3d=filter_3d), ckpt_path=tmp_path / "ckpt.pt",
+                 csv_path=tmp_path / "t.csv", seed=1)
     res = tr.run()
     assert res.steps == 40 and res.stopped == "max_steps"
     assert any(("clones" in e and e["clones"] + e["splits"] > 0) or e.get("added", 0) > 0 for e in res.events)
     if strategy == "default":
         assert any(e.get("opacity_reset") for e in res.events)
     assert all(v.device.type == "cpu" for v in res.splats.values())
+    assert (res.splats.filter_3d is not None) == filter_3d  # (the 3D smoothing filter, recomputed on the device)
     assert res.device["backend"] == "cpu" and res.device["gpu_peak_allocated_mib"] is None
 
 
