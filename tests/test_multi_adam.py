@@ -16,16 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from tests._triton import needs_triton
+
 ROOT = Path(__file__).resolve().parents[1]
 
-try:
-    import triton  # noqa: F401
-
-    HAVE_TRITON = True
-except ImportError:
-    HAVE_TRITON = False
-
-pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="Triton is not installed (pip install triton)")
+pytestmark = needs_triton
 
 PRELUDE = textwrap.dedent("""
     import torch
