@@ -131,8 +131,6 @@ def test_cuda_removal_cost_equals_the_cpu_kernels_and_a_cut_is_fast():
     """On a GPU: the torch scorer on CUDA tensors against the CPU kernels, and the time of one scoring pass of a
     prune cut's size (16 views of 800x600, 100K Gaussians), printed for bench/RESULTS.md (beside the Triton
     kernel's, ``tests/test_score_triton.py``)."""
-    import time
-
     args, target = _scene()
     _, ref = removal_loss(*args, W, H, sh_degree=2, target=target)
     dev = torch.device("cuda")
@@ -141,19 +139,30 @@ def test_cuda_removal_cost_equals_the_cpu_kernels_and_a_cut_is_fast():
     assert inc.device.type == "cuda"
     _close(inc.cpu(), ref, 2e-5)
 
-    (means, quats, scales, opac, (sh0, shN), _, _), _ = _scene(seed=11, n=100_000)
-    K = torch.tensor([[700.0, 0.0, 400.0], [0.0, 700.0, 300.0], [0.0, 0.0, 1.0]], device=dev)
-    vm = torch.eye(4, device=dev)
-    big = [t.to(dev) for t in (means, quats, scales * 0.5, opac)]
-    tgt = torch.rand(1, 600, 800, 3, device=dev)
-    removal_loss(*big, (sh0.to(dev), shN.to(dev)), vm[None], K[None], 800, 600, sh_degree=2, target=tgt,
-                 backend="torch")
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(16):
-        removal_loss(*big, (sh0.to(dev), shN.to(dev)), vm[None], K[None], 800, 600, sh_degree=2, target=tgt,
-                 backend="torch")
-    torch.cuda.synchronize()
-    secs = time.perf_counter() - t0
+    secs = time_cut(dev, "torch")
     print(f"removal cost on {torch.cuda.get_device_name()}, torch path: 16 views 800x600, 100K Gaussians: "
           f"{secs:.3f} s")
+
+
+def cut_scene(dev, n: int = 100_000):
+    """One scoring pass's inputs at a prune cut's size: ``n`` Gaussians seen by one 800x600 view with a target, on
+    ``dev`` (the CUDA tests time 16 such passes, the views of a cut)."""
+    (means, quats, scales, opac, (sh0, shN), _, _), _ = _scene(seed=11, n=n)
+    K = torch.tensor([[700.0, 0.0, 400.0], [0.0, 700.0, 300.0], [0.0, 0.0, 1.0]], device=dev)
+    big = [t.to(dev) for t in (means, quats, scales * 0.5, opac)]
+    return (*big, (sh0.to(dev), shN.to(dev)), torch.eye(4, device=dev)[None], K[None]), torch.rand(1, 600, 800, 3,
+                                                                                                   device=dev)
+
+
+def time_cut(dev, backend: str, views: int = 16) -> float:
+    """Seconds of ``views`` scoring passes of ``cut_scene`` on ``dev`` with ``backend``, after one untimed pass."""
+    import time
+
+    args, tgt = cut_scene(dev)
+    removal_loss(*args, 800, 600, sh_degree=2, target=tgt, backend=backend)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(views):
+        removal_loss(*args, 800, 600, sh_degree=2, target=tgt, backend=backend)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0

@@ -136,10 +136,8 @@ def test_cuda_triton_removal_cost_equals_the_cpu_kernels_and_a_cut_is_fast():
     """On a GPU: the compiled kernel on CUDA tensors against the CPU kernels (three views of 70x45 with pixels that
     stop early and partial tiles), and the time of one scoring pass of a prune cut's size (16 views of 800x600,
     100K Gaussians), printed for bench/RESULTS.md (``tests/test_score_torch.py`` prints the torch path's)."""
-    import time
-
     from splatflow.render import removal_loss
-    from tests.test_score_torch import W, H, _scene as _scene3
+    from tests.test_score_torch import W, H, _scene as _scene3, cut_scene, time_cut
 
     dev = torch.device("cuda")
     args, target = _scene3()
@@ -152,19 +150,9 @@ def test_cuda_triton_removal_cost_equals_the_cpu_kernels_and_a_cut_is_fast():
         torch.testing.assert_close(img.cpu(), img_c, rtol=0, atol=2e-5)
         _close(inc.cpu(), ref, 2e-5)
 
-    (means, quats, scales, opac, (sh0, shN), _, _), _ = _scene3(seed=11, n=100_000)
-    K = torch.tensor([[700.0, 0.0, 400.0], [0.0, 700.0, 300.0], [0.0, 0.0, 1.0]], device=dev)
-    vm = torch.eye(4, device=dev)
-    big = [t.to(dev) for t in (means, quats, scales * 0.5, opac)]
-    tgt = torch.rand(1, 600, 800, 3, device=dev)
-    sh = (sh0.to(dev), shN.to(dev))
-    _, inc_t = removal_loss(*big, sh, vm[None], K[None], 800, 600, sh_degree=2, target=tgt, backend="triton")
-    _, inc_r = removal_loss(*big, sh, vm[None], K[None], 800, 600, sh_degree=2, target=tgt, backend="torch")
+    big, tgt = cut_scene(dev)
+    _, inc_t = removal_loss(*big, 800, 600, sh_degree=2, target=tgt, backend="triton")
+    _, inc_r = removal_loss(*big, 800, 600, sh_degree=2, target=tgt, backend="torch")
     _close(inc_t.cpu(), inc_r.cpu(), 2e-5)  # the cut's scene too: the same score as the torch path
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(16):
-        removal_loss(*big, sh, vm[None], K[None], 800, 600, sh_degree=2, target=tgt, backend="triton")
-    torch.cuda.synchronize()
-    secs = time.perf_counter() - t0
+    secs = time_cut(dev, "triton")
     print(f"removal cost on {torch.cuda.get_device_name()}: 16 views 800x600, 100K Gaussians: {secs:.3f} s")
