@@ -113,11 +113,16 @@ def stack(tmp_path, monkeypatch):
     yield from _servers(tmp_path, monkeypatch, mlflow=True)
 
 
-@pytest.fixture()
-def prefect_server(tmp_path, monkeypatch):
-    """The ``stack`` fixture's Prefect server alone, for tests that look at Prefect only (tracking stays off, as
-    tests/conftest.py sets it): no MLflow server to start, no MLflow in the stage processes."""
-    yield from _servers(tmp_path, monkeypatch, mlflow=False)
+@pytest.fixture(scope="module")
+def prefect_server(tmp_path_factory):
+    """The ``stack`` fixture's Prefect server alone, started once for every test of a module (tests/test_flows.py:
+    the runs of ``splatflow run`` and the batches), with the environment pointing at it for the module's duration;
+    no MLflow server (stages that record write to a local store the test names)."""
+    mp = pytest.MonkeyPatch()
+    try:
+        yield from _servers(tmp_path_factory.mktemp("prefect_server"), mp, mlflow=False)
+    finally:
+        mp.undo()
 
 
 # A reconstruction small enough to run end to end in seconds: what the report and viewer tests look at.

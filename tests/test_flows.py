@@ -1,25 +1,44 @@
-"""The Prefect scene flow on a tiny synthetic scene (Prefect's test harness) and `rerun` of a past commit.
+"""`splatflow run` as a Prefect flow run on a tiny synthetic scene, what it records in Prefect and MLflow, `rerun` of
+a past commit, and a batch rerun.
 
-One throw-away project (tests/_project.py, tiny params) is reconstructed once by the ``reconstruct`` flow:
-every DVC stage must be a completed Prefect task named after the stage, and the scene's MLflow run must hold the
-params, every stage's final metrics and the exported PLY (read back with plyfile).  Then the project moves on by a
-commit and ``rerun_commit`` reproduces the previous commit in a worktree with every stage forced, and must match
-the original run's metrics within the stated tolerance.
+One throw-away project (tests/_project.py, tiny params) is reconstructed once, as a user runs it: ``splatflow run
+tiny --view`` against a real Prefect server (the ``prefect_server`` fixture, one for the module), tracking into the
+project's sqlite store. The run must show in Prefect as a ``reconstruct`` flow run with one completed task per DVC
+stage, named after the stage (also in the UI as headless Chromium sees it), keep DVC's own output in the terminal,
+reach the train stage with ``--view``, and a second run must mark the stages DVC skipped (state ``Skipped``). The
+scene's MLflow run must hold the params, every stage's final metrics and the exported PLY (read back with
+plyfile). Then the project moves on by a commit and ``rerun_commit`` reproduces the previous commit in a worktree
+with every stage forced, and must match the original run's metrics within the stated tolerance.
 """
 
 from __future__ import annotations
 
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
 from splatflow import tracking
 from splatflow.orchestrate import dvcrun
-from tests._project import TINY_PARAMS, make_project, run
+from tests import _chromium
+from tests._project import BIN, TINY_PARAMS, make_project, project_env, run, tracked_env
 
 pytestmark = pytest.mark.slow
 
+
+def _task_runs(client, flow_run_id, n: int, timeout_s: float = 120) -> list:
+    """The flow run's task runs once all ``n`` are recorded in a final state (the server records task runs from
+    the events the client sends, a moment after the flow run returns)."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+        if (len(runs) >= n and all(t.state is not None and t.state.is_final() for t in runs)) \
+                or time.monotonic() > deadline:
+            return runs
+        time.sleep(1)
 
 
 @pytest.fixture(scope="module")
@@ -27,42 +46,83 @@ def project(tmp_path_factory):
     return make_project(tmp_path_factory.mktemp("flowproj") / "p", overrides=TINY_PARAMS)
 
 
-@pytest.fixture(scope="module")
-def harness():
-    """Prefect's test harness (a temporary server and database) for every flow run of this module: one start."""
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=300):
-        yield
+def _store(project: Path) -> str:
+    return f"sqlite:///{project / 'mlflow.db'}"
 
 
 @pytest.fixture(scope="module")
-def flow_run(project, harness):
-    """Run the reconstruct flow once, in Prefect's test harness, tracking into the project's sqlite store."""
+def flow_run(project, prefect_server):
+    """``splatflow run tiny --view`` once, on the module's Prefect server, tracking into the project's sqlite store:
+    its output, its ``reconstruct`` flow run with the task runs and artifacts, and the scene's MLflow run id."""
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, FlowRunFilterId
+    from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterFlowRunId, FlowFilter, FlowFilterName)
 
-    from flows.reconstruct import reconstruct
+    from splatflow.orchestrate import servers
 
-    mp = pytest.MonkeyPatch()
-    mp.setenv("SPLATFLOW_TRACKING", "on")
-    mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{project / 'mlflow.db'}")
-    mp.delenv("MLFLOW_RUN_ID", raising=False)
-    try:
-        state = reconstruct(scene="tiny", repo=str(project), return_state=True)
-        result = state.result(raise_on_failure=False)
-        with get_client(sync_client=True) as client:
-            frid = state.state_details.flow_run_id
-            tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[frid])))
-            artifacts = client.read_artifacts(
-                artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[frid])))
-        yield {"state": state, "result": result, "tasks": tasks, "artifacts": artifacts}
-    finally:
-        mp.undo()
+    env = tracked_env(project, PREFECT_API_URL=prefect_server["api"])
+    out = run([str(BIN / "splatflow"), "run", "tiny", "--view", "--view-port", str(servers.free_port())], project,
+              env=env)
+    stages = dvcrun.stage_order(project, "tiny")
+    with get_client(sync_client=True) as client:
+        (fr,) = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["reconstruct"])))
+        tasks = _task_runs(client, fr.id, len(stages))
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(
+            any_=[fr.id])))
+    cl = tracking.client(_store(project))
+    runs = cl.search_runs([e.experiment_id for e in cl.search_experiments()],
+                          filter_string=f"tags.`prefect.flow_run_id` = '{fr.id}'")
+    assert len(runs) == 1, [r.data.tags for r in runs]
+    return {"out": out, "flow_run": fr, "tasks": tasks, "artifacts": artifacts, "run_id": runs[0].info.run_id,
+            "stages": stages}
 
 
-def test_scene_flow_runs_every_stage_and_logs_to_mlflow(project, flow_run, monkeypatch, tmp_path):
-    assert flow_run["state"].is_completed(), flow_run["result"]
+def test_run_shows_in_prefect_with_skipped_stages_marked(project, flow_run, prefect_server):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    stages = flow_run["stages"]
+    first = flow_run["out"]
+    assert "$ dvc repro --single-item train@tiny" in first.stdout  # DVC's own output, as `splatflow run` showed
+    assert "Running stage 'train@tiny'" in first.stdout
+    assert "live view: open http://127.0.0.1:" in first.stdout, first.stdout[-3000:]
+    assert f"{len(stages)} stages ran, 0 up to date" in first.stdout
+    assert "Task run" not in first.stdout + first.stderr, "Prefect's log lines repeat the stages' output"
+
+    # untracked (what is checked is Prefect's record and the terminal): the rerun test below finds the first run
+    # as the one MLflow run of its commit
+    env = {**project_env(), "PREFECT_API_URL": prefect_server["api"], "SPLATFLOW_TRACKING": "off"}
+    second = run([str(BIN / "splatflow"), "run", "tiny"], project, env=env)
+    # settings runs in every repro (dvc.yaml: always_changed); DVC finds every later stage up to date
+    assert f"1 stage ran, {len(stages) - 1} up to date" in second.stdout, second.stdout[-3000:]
+    assert f"{prefect_server['prefect'].url}/runs/flow-run/" in second.stdout
+
+    with get_client(sync_client=True) as client:
+        flow_runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["reconstruct"])),
+                                          sort=FlowRunSort.START_TIME_ASC)
+        assert len(flow_runs) == 2 and all(fr.state.is_completed() for fr in flow_runs)
+        assert flow_runs[0].id == flow_run["flow_run"].id
+        ran, skipped = (_task_runs(client, fr.id, len(stages)) for fr in flow_runs)
+    assert sorted(t.name for t in ran) == sorted(stages) == sorted(t.name for t in skipped)
+    assert {t.state.name for t in ran} == {"Completed"}, "a fresh project: every stage ran"
+    assert {t.name: t.state.name for t in skipped} == {s: "Completed" if s.startswith("settings@") else "Skipped"
+                                                        for s in stages}, "nothing changed: DVC skipped the stages"
+    assert all(t.state.is_completed() for t in skipped)  # skipped is a way of finishing: the flow goes on
+
+    if _chromium.find() is None:
+        pytest.skip(_chromium.SKIP_REASON)
+    train = next(t for t in skipped if t.name == "train@tiny")
+    page = f"{prefect_server['prefect'].url}/runs/task-run/{train.id}"
+    dom = _chromium.dump_dom_until(page, lambda d: "train@tiny" in d and "Skipped" in d)
+    assert "train@tiny" in dom and "Skipped" in dom, "the Prefect UI does not show the stage as skipped"
+    ran_train = next(t for t in ran if t.name == "train@tiny")
+    dom = _chromium.dump_dom_until(f"{prefect_server['prefect'].url}/runs/task-run/{ran_train.id}",
+                                   lambda d: "train@tiny" in d and "Completed" in d)
+    assert "Completed" in dom and "Skipped" not in dom
+
+
+def test_scene_flow_runs_every_stage_and_logs_to_mlflow(project, flow_run, tmp_path):
+    assert flow_run["flow_run"].state.is_completed(), flow_run["out"].stdout[-3000:]
     stages = dvcrun.stage_order(project, "tiny")
     assert [s.partition("@")[0] for s in stages] == ["settings", "ingest", "sfm", "split", "train", "prune", "evaluate",
                                                      "export", "report"]
@@ -70,9 +130,8 @@ def test_scene_flow_runs_every_stage_and_logs_to_mlflow(project, flow_run, monke
     assert set(tasks) == set(stages), "one Prefect task per DVC stage, named after it"
     assert all(t.state.is_completed() for t in tasks.values())
 
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{project / 'mlflow.db'}")
-    cl = tracking.client()
-    run_id = flow_run["result"]["run_id"]
+    cl = tracking.client(_store(project))
+    run_id = flow_run["run_id"]
     r = cl.get_run(run_id)
     assert r.info.status == "FINISHED"
     assert r.data.params["train.max_steps"] == "10" and r.data.params["base.seed"] == "0"
@@ -82,7 +141,8 @@ def test_scene_flow_runs_every_stage_and_logs_to_mlflow(project, flow_run, monke
     assert m["sfm.images_registered"] == 12
     assert m["evaluate.psnr"] > 12.0  # a flat grey image scores ~9 dB on this scene
     assert len(cl.get_metric_history(run_id, "train/loss")) >= 3  # live step metrics, batched
-    assert r.data.tags["splatflow.started_by"] == "prefect" and r.data.tags["prefect.flow_run_id"]
+    assert r.data.tags["splatflow.started_by"] == "prefect"
+    assert r.data.tags["prefect.flow_run_id"] == str(flow_run["flow_run"].id)
     assert r.data.tags["dvc.hash.export"]
 
     from plyfile import PlyData
@@ -109,8 +169,8 @@ def test_scene_flow_runs_every_stage_and_logs_to_mlflow(project, flow_run, monke
 def test_rerun_of_previous_commit_reproduces_its_metrics(project, flow_run, monkeypatch):
     from splatflow.orchestrate.rerun import rerun_commit
 
-    assert flow_run["state"].is_completed()
-    original = flow_run["result"]["run_id"]
+    assert flow_run["flow_run"].state.is_completed()
+    original = flow_run["run_id"]
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=project, capture_output=True, text=True).stdout.strip()
     (project / "NOTES.md").write_text("a later commit\n")
     run(["git", "add", "NOTES.md"], project)
@@ -134,7 +194,7 @@ def test_rerun_of_previous_commit_reproduces_its_metrics(project, flow_run, monk
     assert Path(project / "NOTES.md").exists()
 
 
-def test_batch_rerun_skips_the_scenes_that_finished(harness, tmp_path, monkeypatch):
+def test_batch_rerun_skips_the_scenes_that_finished(prefect_server, tmp_path, monkeypatch):
     """A batch where scene ``b`` fails, then the same batch again: ``a`` finished the first time, so the rerun
     runs none of its stages (it records a skipped run pointing at the first) while ``b`` runs to the end.  One
     scene at a time (``max_concurrent=1``), enforced by the batch's Prefect concurrency limit: the scene runs of

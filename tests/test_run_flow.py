@@ -1,80 +1,15 @@
-"""`splatflow run` is a Prefect flow run: a tiny scene's run shows in a real Prefect server as a ``reconstruct`` flow
-run with one task per DVC stage, and a stage DVC skipped is marked (state ``Skipped``), also in the UI as headless
-Chromium sees it. The terminal keeps DVC's own output, and ``--view`` reaches the train stage."""
+"""`splatflow run` where no Prefect server answers: through Prefect's ephemeral API, recorded where `splatflow ui`
+finds it, and with the stages run by DVC alone when the API does not answer at all. (A run on a Prefect server, its
+task per DVC stage, the stages it skipped and its MLflow run: tests/test_flows.py.)"""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
-from tests import _chromium
-from tests._project import BIN, TINY_PARAMS, make_project, project_env, run
+from tests._project import BIN, make_project, project_env, run
+from tests.test_flows import _task_runs
 
 pytestmark = pytest.mark.slow
-
-
-def _task_runs(client, flow_run_id, n: int, timeout_s: float = 120) -> list:
-    """The flow run's task runs once all ``n`` are recorded in a final state (the server records task runs from
-    the events the client sends, a moment after the flow run returns)."""
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-        if (len(runs) >= n and all(t.state is not None and t.state.is_final() for t in runs)) \
-                or time.monotonic() > deadline:
-            return runs
-        time.sleep(1)
-
-
-def test_run_shows_in_prefect_with_skipped_stages_marked(prefect_server, tmp_path):
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
-    from prefect.client.schemas.sorting import FlowRunSort
-
-    from splatflow.orchestrate import servers
-    from splatflow.orchestrate.dvcrun import stage_order
-
-    root = make_project(tmp_path / "p", overrides=TINY_PARAMS)
-    # untracked: what is checked here is Prefect's record and the terminal (MLflow: test_flows, test_servers)
-    env = {**project_env(), "PREFECT_API_URL": prefect_server["api"], "SPLATFLOW_TRACKING": "off"}
-    stages = stage_order(root, "tiny")
-    cli = str(BIN / "splatflow")
-
-    first = run([cli, "run", "tiny", "--view", "--view-port", str(servers.free_port())], root, env=env)
-    assert "$ dvc repro --single-item train@tiny" in first.stdout  # DVC's own output, as `splatflow run` showed
-    assert "Running stage 'train@tiny'" in first.stdout
-    assert "live view: open http://127.0.0.1:" in first.stdout, first.stdout[-3000:]
-    assert f"{len(stages)} stages ran, 0 up to date" in first.stdout
-    assert "Task run" not in first.stdout + first.stderr, "Prefect's log lines repeat the stages' output"
-
-    second = run([cli, "run", "tiny"], root, env=env)
-    # settings runs in every repro (dvc.yaml: always_changed); DVC finds every later stage up to date
-    assert f"1 stage ran, {len(stages) - 1} up to date" in second.stdout, second.stdout[-3000:]
-    assert f"{prefect_server['prefect'].url}/runs/flow-run/" in second.stdout
-
-    with get_client(sync_client=True) as client:
-        flow_runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["reconstruct"])),
-                                          sort=FlowRunSort.START_TIME_ASC)
-        assert len(flow_runs) == 2 and all(fr.state.is_completed() for fr in flow_runs)
-        ran, skipped = (_task_runs(client, fr.id, len(stages)) for fr in flow_runs)
-    assert sorted(t.name for t in ran) == sorted(stages) == sorted(t.name for t in skipped)
-    assert {t.state.name for t in ran} == {"Completed"}, "a fresh project: every stage ran"
-    assert {t.name: t.state.name for t in skipped} == {s: "Completed" if s.startswith("settings@") else "Skipped"
-                                                        for s in stages}, "nothing changed: DVC skipped the stages"
-    assert all(t.state.is_completed() for t in skipped)  # skipped is a way of finishing: the flow goes on
-
-    if _chromium.find() is None:
-        pytest.skip(_chromium.SKIP_REASON)
-    train = next(t for t in skipped if t.name == "train@tiny")
-    page = f"{prefect_server['prefect'].url}/runs/task-run/{train.id}"
-    dom = _chromium.dump_dom_until(page, lambda d: "train@tiny" in d and "Skipped" in d)
-    assert "train@tiny" in dom and "Skipped" in dom, "the Prefect UI does not show the stage as skipped"
-    ran_train = next(t for t in ran if t.name == "train@tiny")
-    dom = _chromium.dump_dom_until(f"{prefect_server['prefect'].url}/runs/task-run/{ran_train.id}",
-                                   lambda d: "train@tiny" in d and "Completed" in d)
-    assert "Completed" in dom and "Skipped" not in dom
 
 
 def test_run_without_a_reachable_prefect_api_still_runs_the_stages(tmp_path):
