@@ -65,8 +65,11 @@ def test_one_exposure_trains_the_same_splat_and_the_transforms_stay_near_identit
 
 
 def test_varied_exposures_train_a_better_splat_and_the_transforms_find_them(exposed_scene):
-    plain = train(exposed_scene, cfg_for(400), seed=0)
-    tr = Trainer(exposed_scene, cfg_for(400, enabled=True, start_fraction=0.0, lr=5e-3), seed=0)
+    # 600 steps: the gain grows with the run as the plain model fits each exposure into the splat (on a Zen 4 CPU,
+    # seeds 0-3 gained +0.3 to +0.9 dB at 400 steps, seeds 0-2 +0.9 to +1.3 at 600): the bar stands clear of the
+    # noise of seeds and CPU kinds (the rounding of AVX-512 against AVX2 moves a 400-step run's figures)
+    plain = train(exposed_scene, cfg_for(600), seed=0)
+    tr = Trainer(exposed_scene, cfg_for(600, enabled=True, start_fraction=0.0, lr=5e-3), seed=0)
     comp = tr.run()
     p0 = mean_view_psnr(plain.splats, exposed_scene.test_views, plain.sh_degree)
     p1 = mean_view_psnr(comp.splats, exposed_scene.test_views, comp.sh_degree)
