@@ -84,3 +84,42 @@ def test_live_view_settings_name_the_bad_value():
         parse_address("x", "--view-port")
     with pytest.raises(UserError, match="SPLATFLOW_LIVE_VIEW_EVERY_S='-1'"):
         parse_every("-1")
+
+
+def test_wait_idle_waits_for_the_last_step_handed_over_while_another_was_shown():
+    """The last step's model, handed over while the one before was being shown, is shown before ``wait_idle``
+    returns: the viewer's thread is busy with it from the moment it takes it (the thread's end of the earlier job
+    cleared the flag the training side had set)."""
+    import threading
+    from types import SimpleNamespace
+
+    started = {1: threading.Event(), 2: threading.Event()}
+    release = {1: threading.Event(), 2: threading.Event()}
+
+    class Recording(LiveView):
+        def _show(self, snapshot, step, max_steps, psnr, degree):  # no server: record the step, when released
+            started[step].set()
+            assert release[step].wait(10)
+            self.shown_step = step
+            self.refreshes += 1
+
+    def trainer(step: int):
+        state = SimpleNamespace(splats=lambda: SimpleNamespace(stored=lambda: {"step": step}))
+        return SimpleNamespace(step=step, cfg=SimpleNamespace(max_steps=2), state=state,
+                               sched=SimpleNamespace(sh=SimpleNamespace(degree=lambda s: 0)))
+
+    live = Recording([], title="t", every_s=0.0, log=lambda _: None)
+    try:
+        live.after_step(trainer(1), {})
+        assert started[1].wait(10)
+        live.after_step(trainer(2), {})  # the last step: always handed over, here while step 1 is being shown
+        release[1].set()
+        assert started[2].wait(10)  # the thread took step 2; it is being shown
+        done = threading.Event()
+        threading.Thread(target=lambda: (live.wait_idle(10), done.set()), daemon=True).start()
+        assert not done.wait(0.5), "wait_idle returned while the last step was still being shown"
+        release[2].set()
+        assert done.wait(10) and live.shown_step == 2 and live.refreshes == 2
+    finally:
+        release[1].set(), release[2].set()
+        live.close()

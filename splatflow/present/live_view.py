@@ -106,7 +106,9 @@ class LiveView:
                     self._wake.wait()
                 if self._pending is None:
                     return
-                job, self._pending = self._pending, None
+                # busy from here until this job is shown: a job handed over while the last one was being shown
+                # found _busy cleared by that one's end, and wait_idle must not return before this one is shown
+                job, self._pending, self._busy = self._pending, None, True
             try:
                 self._show(*job)
             except BaseException as e:  # noqa: BLE001 - reported to the training side, which drops the hook
