@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import yaml
@@ -161,3 +162,17 @@ def stage_record(root: Path, scene: str, stage: str) -> dict:
     from splatflow.pipeline.paths import ScenePaths
 
     return records.read(ScenePaths(scene, root), stage)
+
+
+def task_runs(client, flow_run_id, n: int, timeout_s: float = 120) -> list:
+    """The flow run's task runs once all ``n`` are recorded in a final state (the server records task runs from
+    the events the client sends, a moment after the flow run returns)."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+        if (len(runs) >= n and all(t.state is not None and t.state.is_final() for t in runs)) \
+                or time.monotonic() > deadline:
+            return runs
+        time.sleep(1)

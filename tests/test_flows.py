@@ -14,7 +14,6 @@ with every stage forced, and must match the original run's metrics within the st
 from __future__ import annotations
 
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -22,23 +21,9 @@ import pytest
 from splatflow import tracking
 from splatflow.orchestrate import dvcrun
 from tests import _chromium
-from tests._project import BIN, TINY_PARAMS, make_project, project_env, run, tracked_env
+from tests._project import BIN, TINY_PARAMS, make_project, project_env, run, task_runs, tracked_env
 
 pytestmark = pytest.mark.slow
-
-
-def _task_runs(client, flow_run_id, n: int, timeout_s: float = 120) -> list:
-    """The flow run's task runs once all ``n`` are recorded in a final state (the server records task runs from
-    the events the client sends, a moment after the flow run returns)."""
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-        if (len(runs) >= n and all(t.state is not None and t.state.is_final() for t in runs)) \
-                or time.monotonic() > deadline:
-            return runs
-        time.sleep(1)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +50,7 @@ def flow_run(project, prefect_server):
     stages = dvcrun.stage_order(project, "tiny")
     with get_client(sync_client=True) as client:
         (fr,) = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["reconstruct"])))
-        tasks = _task_runs(client, fr.id, len(stages))
+        tasks = task_runs(client, fr.id, len(stages))
         artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(
             any_=[fr.id])))
     cl = tracking.client(_store(project))
@@ -102,7 +87,7 @@ def test_run_shows_in_prefect_with_skipped_stages_marked(project, flow_run, pref
                                           sort=FlowRunSort.START_TIME_ASC)
         assert len(flow_runs) == 2 and all(fr.state.is_completed() for fr in flow_runs)
         assert flow_runs[0].id == flow_run["flow_run"].id
-        ran, skipped = (_task_runs(client, fr.id, len(stages)) for fr in flow_runs)
+        ran, skipped = (task_runs(client, fr.id, len(stages)) for fr in flow_runs)
     assert sorted(t.name for t in ran) == sorted(stages) == sorted(t.name for t in skipped)
     assert {t.state.name for t in ran} == {"Completed"}, "a fresh project: every stage ran"
     assert {t.name: t.state.name for t in skipped} == {s: "Completed" if s.startswith("settings@") else "Skipped"

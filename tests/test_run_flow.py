@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests._project import BIN, make_project, project_env, run
-from tests.test_flows import _task_runs
+from tests._project import BIN, make_project, project_env, run, task_runs
 
 pytestmark = pytest.mark.slow
 
@@ -61,7 +60,7 @@ def test_run_without_a_server_is_recorded_where_splatflow_ui_finds_it(reconstruc
         with temporary_settings(updates={PREFECT_API_URL: f"{pf.url}/api"}), get_client(sync_client=True) as client:
             flow_runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["reconstruct"])))
             assert len(flow_runs) == 1 and flow_runs[0].state.is_completed(), flow_runs
-            tasks = _task_runs(client, flow_runs[0].id, len(stages), timeout_s=30)
+            tasks = task_runs(client, flow_runs[0].id, len(stages), timeout_s=30)
         assert sorted(t.name for t in tasks) == sorted(stages), [t.name for t in tasks]
         assert {t.state.name for t in tasks} == {"Completed"}
     finally:

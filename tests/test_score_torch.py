@@ -139,7 +139,7 @@ def test_cuda_removal_cost_equals_the_cpu_kernels_and_a_cut_is_fast():
     assert inc.device.type == "cuda"
     _close(inc.cpu(), ref, 2e-5)
 
-    secs = time_cut(dev, "torch")
+    secs = time_cut(*cut_scene(dev), "torch")
     print(f"removal cost on {torch.cuda.get_device_name()}, torch path: 16 views 800x600, 100K Gaussians: "
           f"{secs:.3f} s")
 
@@ -154,11 +154,10 @@ def cut_scene(dev, n: int = 100_000):
                                                                                                    device=dev)
 
 
-def time_cut(dev, backend: str, views: int = 16) -> float:
-    """Seconds of ``views`` scoring passes of ``cut_scene`` on ``dev`` with ``backend``, after one untimed pass."""
+def time_cut(args, tgt, backend: str, views: int = 16) -> float:
+    """Seconds of ``views`` scoring passes of a ``cut_scene`` (on a GPU) with ``backend``, after one untimed pass."""
     import time
 
-    args, tgt = cut_scene(dev)
     removal_loss(*args, 800, 600, sh_degree=2, target=tgt, backend=backend)
     torch.cuda.synchronize()
     t0 = time.perf_counter()

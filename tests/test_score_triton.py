@@ -154,5 +154,5 @@ def test_cuda_triton_removal_cost_equals_the_cpu_kernels_and_a_cut_is_fast():
     _, inc_t = removal_loss(*big, 800, 600, sh_degree=2, target=tgt, backend="triton")
     _, inc_r = removal_loss(*big, 800, 600, sh_degree=2, target=tgt, backend="torch")
     _close(inc_t.cpu(), inc_r.cpu(), 2e-5)  # the cut's scene too: the same score as the torch path
-    secs = time_cut(dev, "triton")
+    secs = time_cut(big, tgt, "triton")
     print(f"removal cost on {torch.cuda.get_device_name()}: 16 views 800x600, 100K Gaussians: {secs:.3f} s")
