@@ -95,20 +95,48 @@ def read_colmap_project(root: Path) -> dict:
     return {"cameras": cams, "images": ims, "points": np.array(pts)}
 
 
-def run_opensplat(binary: Path, project: Path, steps: int, out_ply: Path, log: Path, cpu: bool = True) -> dict:
-    """Train with OpenSplat on ``project``; returns the wall time and the command. ``--keep-crs`` keeps our
-    coordinates, so its PLY renders from our cameras."""
+def run_opensplat(binary: Path, project: Path, steps: int, out_ply: Path, log: Path, cpu: bool = True,
+                  seconds: float | None = None, save_every: int = 100) -> dict:
+    """Train with OpenSplat on ``project``; returns the wall time, the command and, with ``seconds``, its
+    snapshots. ``--keep-crs`` keeps our coordinates, so its PLY renders from our cameras.
+
+    ``seconds``: stop it after that long (SIGTERM) if it has not finished, having saved a snapshot
+    (``<out>_<step>.ply``) every ``save_every`` steps: what its run holds at a given time, e.g. the time splatflow
+    took. The snapshots are returned as ``(seconds since the start, step, path)``, the time being the file's
+    modification time (the save's end)."""
     cmd = [str(binary), str(project), "-n", str(int(steps)), "-o", str(out_ply), "--keep-crs"]
     if cpu:
         cmd.append("--cpu")
-    t0 = time.perf_counter()
+    if seconds is not None:
+        cmd += ["-s", str(int(save_every))]
+    out_ply = Path(out_ply)
+    for old in out_ply.parent.glob(f"{out_ply.stem}_*{out_ply.suffix}"):
+        old.unlink()
+    t0, wall0 = time.perf_counter(), time.time()
+    stopped = False
     with open(log, "w") as f:
-        p = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+        try:
+            p.wait(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            stopped = True
+            p.terminate()
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
     wall = time.perf_counter() - t0
-    if p.returncode != 0 or not Path(out_ply).exists():
+    snapshots = sorted((round(q.stat().st_mtime - wall0, 1), int(q.stem.rsplit("_", 1)[1]), str(q))
+                       for q in out_ply.parent.glob(f"{out_ply.stem}_*{out_ply.suffix}")
+                       if q.stem.rsplit("_", 1)[1].isdigit())
+    if not stopped and (p.returncode != 0 or not out_ply.exists()):
         tail = Path(log).read_text()[-1500:]
         raise RuntimeError(f"{binary} failed ({p.returncode}); its log {log}:\n{tail}")
-    return {"wall_seconds": round(wall, 1), "command": " ".join(cmd)}
+    if stopped and not snapshots:
+        raise RuntimeError(f"{binary} saved no snapshot in {seconds:.0f} s (every {save_every} steps); its log {log}")
+    return {"wall_seconds": round(wall, 1), "command": " ".join(cmd), "stopped_at_seconds": stopped,
+            "snapshots": snapshots}
 
 
 def evaluate_ply(ply: Path, scene, evaluate_cfg) -> dict:

@@ -234,6 +234,11 @@ def main() -> None:
                     help="an OpenSplat binary you built (its --cpu build): trained on the same training views, "
                          "cameras, points and size, scored on the same test views (bench/peers.py)")
     ap.add_argument("--peer-steps", type=int, help="OpenSplat's steps (default: the steps splatflow's plan ran)")
+    ap.add_argument("--peer-times", type=float, nargs="+", metavar="X",
+                    help="at equal time instead of to the end: stop OpenSplat at the largest X times splatflow's "
+                         "training time and score its last snapshot before each X (e.g. 1 2 4)")
+    ap.add_argument("--peer-save-every", type=int, default=100, help="with --peer-times: OpenSplat's snapshot "
+                                                                     "interval in steps")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     if args.peer_opensplat and not Path(args.peer_opensplat).is_file():
@@ -294,7 +299,9 @@ def main() -> None:
             res["curve"] = evaluate_curve(proj, scene, curve_dir)
         if args.peer_opensplat:
             res["peer_opensplat"] = run_peer(proj, scene, Path(args.peer_opensplat),
-                                             args.peer_steps or res["train_steps"], work)
+                                             args.peer_steps or res["train_steps"], work,
+                                             times=args.peer_times, train_seconds=res["train_seconds"],
+                                             save_every=args.peer_save_every)
         if args.renders:
             res["renders"] = copy_renders(proj / "data" / scene / "renders", Path(args.renders),
                                           f"{scene}{'_' + args.tag if args.tag else ''}")
@@ -309,8 +316,11 @@ def main() -> None:
         print(f"wrote {args.json}")
 
 
-def run_peer(proj: Path, scene: str, binary: Path, steps: int, log_dir: Path) -> dict:
-    """OpenSplat on the scene's training views at the working size; its PLY scored on the same test views."""
+def run_peer(proj: Path, scene: str, binary: Path, steps: int, log_dir: Path, times=None,
+             train_seconds: float | None = None, save_every: int = 100) -> dict:
+    """OpenSplat on the scene's training views at the working size; its PLY scored on the same test views. With
+    ``times`` (multiples of splatflow's ``train_seconds``) it runs until the largest and its last snapshot before
+    each is scored: ``marks``."""
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "bench"))
     import dataclasses
@@ -324,13 +334,31 @@ def run_peer(proj: Path, scene: str, binary: Path, steps: int, log_dir: Path) ->
     params = load_params(proj / "params.yaml").for_scene(scene)
     data, _ = load_working_scene(params, ScenePaths(scene, proj))
     project = write_colmap_project(data, proj / "peer_opensplat")
-    print(f"[{scene}] OpenSplat: {len(data.train_views)} training views in {project}, {steps} steps ...", flush=True)
-    ran = run_opensplat(binary, project, steps, project / "splat.ply", log_dir / f"{scene}.opensplat.log")
+    limit = max(times) * train_seconds if times else None
+    print(f"[{scene}] OpenSplat: {len(data.train_views)} training views in {project}, {steps} steps"
+          + (f", stopped after {limit:.0f} s" if limit else "") + " ...", flush=True)
+    ran = run_opensplat(binary, project, steps, project / "splat.ply", log_dir / f"{scene}.opensplat.log",
+                        seconds=limit, save_every=save_every)
     cfg = dataclasses.replace(params.evaluate, save_renders=False)
-    scores = evaluate_ply(project / "splat.ply", data, cfg)
-    print(f"[{scene}] OpenSplat: {ran['wall_seconds']:.0f} s, PSNR {scores['psnr']:.2f} dB, SSIM "
-          f"{scores['ssim']:.4f}, {scores['gaussians']} Gaussians", flush=True)
-    return {**ran, **scores, "steps": steps}
+    if not times:
+        scores = evaluate_ply(project / "splat.ply", data, cfg)
+        print(f"[{scene}] OpenSplat: {ran['wall_seconds']:.0f} s, PSNR {scores['psnr']:.2f} dB, SSIM "
+              f"{scores['ssim']:.4f}, {scores['gaussians']} Gaussians", flush=True)
+        return {**ran, **scores, "steps": steps}
+    marks = []
+    for x in sorted(times):
+        before = [s for s in ran["snapshots"] if s[0] <= x * train_seconds]
+        if not before:
+            print(f"[{scene}] OpenSplat: no snapshot within {x:g}x splatflow's time", flush=True)
+            continue
+        at, step, path = before[-1]
+        scores = evaluate_ply(Path(path), data, cfg)
+        marks.append({"times": x, "seconds": at, "step": step, **scores})
+        print(f"[{scene}] OpenSplat at {x:g}x splatflow's training time ({at:.0f} s): step {step}, PSNR "
+              f"{scores['psnr']:.2f} dB, SSIM {scores['ssim']:.4f}, {scores['gaussians']} Gaussians", flush=True)
+    last = marks[-1] if marks else {}
+    return {**ran, **{k: last.get(k) for k in ("psnr", "ssim", "lpips_alex", "lpips_vgg", "gaussians")},
+            "steps": last.get("step"), "planned_steps": steps, "marks": marks}
 
 
 def git_commit() -> str:
@@ -399,10 +427,11 @@ def print_table(results: list[dict]) -> None:
               f"{unp} | {r['train_steps']} | {r['train_seconds']:.0f} | {r['stage_cpu_seconds']['train']:.0f} | "
               f"{r['peak_rss_mb'].get('train') or 0:.0f} |")
         peer = r.get("peer_opensplat")
-        if peer:
-            lp = "n/a" if peer.get("lpips_alex") is None else f"{peer['lpips_alex']:.3f}"
-            print(f"| {r['scene']}: OpenSplat (--cpu) | same views | {peer['psnr']:.2f} / {peer['ssim']:.3f} / {lp} | "
-                  f"{peer['gaussians']:,} | {peer['steps']} | {peer['wall_seconds']:.0f} | |")
+        for m in (peer.get("marks") or [peer]) if peer else []:
+            lp = "n/a" if m.get("lpips_alex") is None else f"{m['lpips_alex']:.3f}"
+            when = f" at {m['times']:g}x the time" if "times" in m else ""
+            print(f"| {r['scene']}: OpenSplat (--cpu){when} | same views | {m['psnr']:.2f} / {m['ssim']:.3f} / {lp} | "
+                  f"{m['gaussians']:,} | | {m.get('step', m.get('steps'))} | {m.get('seconds', peer['wall_seconds']):.0f} | | |")
     if results and not any(r.get("peer_opensplat") for r in results):
         print("(no peer row: pass --peer-opensplat PATH, an OpenSplat binary you built, to train it on the same "
               "views and score it on the same test views)")

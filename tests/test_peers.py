@@ -83,3 +83,43 @@ def test_a_peer_ply_scores_like_our_own_model(scene, tmp_path):
     theirs = evaluate_ply(tmp_path / "m.ply", scene, cfg)
     assert theirs["gaussians"] == splats.n and torch.isfinite(torch.tensor(theirs["psnr"]))
     assert abs(theirs["psnr"] - ours["psnr"]) < 1e-3 and abs(theirs["ssim"] - ours["ssim"]) < 1e-4
+
+
+def test_a_peer_stopped_at_a_time_hands_back_its_snapshots_by_time_and_step(tmp_path):
+    """``run_opensplat(seconds=...)`` passes the snapshot interval, stops a run still going at the limit and lists
+    what it saved by time and step (an external trainer's process control: a script stands in for its binary and
+    writes snapshots the way OpenSplat's ``-s`` does); a run that saved nothing by then is an error naming it."""
+    import stat
+
+    from peers import run_opensplat
+
+    binary = tmp_path / "trainer"
+    binary.write_text(f"""#!{sys.executable}
+import sys, time
+from pathlib import Path
+args = sys.argv[1:]
+out = Path(args[args.index("-o") + 1])
+every = int(args[args.index("-s") + 1]) if "-s" in args else 0
+wait = float(Path(args[0], "wait").read_text())
+time.sleep(wait)
+for step in range(1, int(args[args.index("-n") + 1]) + 1):
+    if every and step % every == 0:
+        out.with_name(f"{{out.stem}}_{{step}}{{out.suffix}}").write_text("ply")
+        time.sleep(0.25)
+out.write_text("ply")
+""")
+    binary.chmod(binary.stat().st_mode | stat.S_IEXEC)
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "wait").write_text("0")
+    ran = run_opensplat(binary, project, 10_000, project / "splat.ply", tmp_path / "log", seconds=1.5, save_every=50)
+    assert ran["stopped_at_seconds"] and "-s 50" in ran["command"] and "--cpu" in ran["command"]
+    steps = [s for _, s, _ in ran["snapshots"]]
+    assert 2 <= len(steps) <= 8 and steps == list(range(50, 50 * len(steps) + 1, 50))
+    assert [t for t, _, _ in ran["snapshots"]] == sorted(t for t, _, _ in ran["snapshots"]) and ran["wall_seconds"] < 30
+    assert not (project / "splat.ply").exists()
+    done = run_opensplat(binary, project, 100, project / "splat.ply", tmp_path / "log", seconds=20, save_every=50)
+    assert not done["stopped_at_seconds"] and [s for _, s, _ in done["snapshots"]] == [50, 100]
+    (project / "wait").write_text("5")
+    with pytest.raises(RuntimeError, match="saved no snapshot"):
+        run_opensplat(binary, project, 100, project / "splat.ply", tmp_path / "log", seconds=1, save_every=50)
