@@ -42,6 +42,20 @@ def test_cpu_plan_keeps_the_room_plan_and_grows_with_content_up_to_its_ceiling()
     assert plan.resolve(cfg, None, "torch", pixels=BONSAI).max_steps == big.max_steps
 
 
+def test_steps_follow_the_training_views_and_the_budget_the_pixels():
+    """Views set the steps (each needs its visits, whatever its size: 84 phone photos at 1000x750 keep the room's
+    6,600 where the square root of their content gave 13,200 that bought nothing on the test views), pixels the
+    budget; past REFERENCE_VIEWS the steps grow in proportion to the views."""
+    cfg = TrainConfig()
+    plush = plan.resolve(cfg, None, "cpu", pixels=[1000 * 750] * 84)
+    assert plush.max_steps == 6600 and plush.max_gaussians > 120_000
+    small, large = (plan.resolve(cfg, None, "cpu", pixels=[side * side] * 150) for side in (400, 1600))
+    assert small.max_steps == large.max_steps == 10_300  # 150 / 96 x 6,600
+    assert small.max_gaussians < large.max_gaussians
+    at, past = (plan.resolve(cfg, None, "cpu", pixels=[800 * 533] * n) for n in (plan.REFERENCE_VIEWS, 2 * 96))
+    assert (at.max_steps, past.max_steps) == (6600, 13_200)
+
+
 def test_gpu_plan_is_larger_and_its_budget_fits_the_card():
     cfg = TrainConfig()
     cpu = plan.resolve(cfg, None, "cpu", pixels=BONSAI)
