@@ -41,6 +41,8 @@ def main(argv=None) -> None:
     ap.add_argument("--score", choices=("significance", "removal"), default=None, help="override prune.score")
     ap.add_argument("--score-rounds", type=int, default=None, help="override prune.score_rounds")
     ap.add_argument("--finetune-means-lr", type=float, default=None, help="override prune.finetune_means_lr")
+    ap.add_argument("--finetune-adam", choices=("trained", "fresh"), default=None, help="override prune.finetune_adam")
+    ap.add_argument("--keep-first", type=float, default=None, help="override prune.keep_first")
     ap.add_argument("--max-drop-db", type=float, default=math.inf,
                     help="early-stop tolerance on validation PSNR (default inf: run every phase)")
     ap.add_argument("--test-factor", type=float, default=1.0, help="resolution factor of the test renders")
@@ -65,7 +67,8 @@ def main(argv=None) -> None:
     ckpt = Path(args.ckpt) if args.ckpt else paths.train_ckpt
     cfg = params.prune
     over = {"max_psnr_drop_db": args.max_drop_db if math.isfinite(args.max_drop_db) else 1e9}
-    for name in ("finetune_steps", "finetune_growth", "phases", "score", "score_rounds", "finetune_means_lr"):
+    for name in ("finetune_steps", "finetune_growth", "phases", "score", "score_rounds", "finetune_means_lr",
+                 "finetune_adam", "keep_first"):
         if getattr(args, name) is not None:
             over[name] = getattr(args, name)
     cfg = dataclasses.replace(cfg, **over)

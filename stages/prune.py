@@ -34,6 +34,9 @@ def run(params: Params, paths: ScenePaths) -> dict:
         metrics = run_prune(params.prune, params.train, train_ckpt=paths.train_ckpt, out_ckpt=paths.prune_ckpt,
                             scene=scene, split_json=paths.split_json, seed=params.base.seed,
                             phase_callback=log_phase, phases_ckpt=paths.prune_phases)
+        if str(metrics.get("stop_reason") or "").startswith("no-op"):
+            print(f"prune [{paths.scene}]: not pruned, the trained model is copied: "
+                  f"{metrics['stop_reason'].removeprefix('no-op: ')}", flush=True)
         if metrics.get("resumed_after_phase") is not None:
             print(f"prune [{paths.scene}]: continued after phase {metrics['resumed_after_phase']}, saved by an "
                   f"interrupted run in {paths.prune_phases}")

@@ -29,7 +29,7 @@ TINY_PARAMS = {
               "resolution": [{"factor": 0.5, "start_fraction": 0.0}],
               "blur": {"sigma_start_px": 0.0, "end_fraction": 0.5}, "densify": {"strategy": "none"},
               "early_stop": {"enabled": False}, "log_every": 2, "progress": False, "checkpoint_every": 1000},
-    "prune": {"phases": 1, "finetune_steps": 2, "progress": False},
+    "prune": {"phases": 1, "finetune_steps": 2, "progress": False, "min_train_views": 0},
     "evaluate": {"lpips_variants": []},
 }
 
@@ -141,7 +141,8 @@ def drill_project(root: Path, *, max_steps: int, checkpoint_every: int, scene: s
         "base": {"threads": 1},
         "train": {"max_steps": max_steps, "progress": False, "log_every": 5, "checkpoint_every": checkpoint_every,
                   "early_stop": {"enabled": False}, "prune_during": {"enabled": False}},
-        "prune": {"phases": 3, "finetune_steps": 15, "progress": False, "val_views": 2, "score_rounds": 1},
+        "prune": {"phases": 3, "finetune_steps": 15, "progress": False, "val_views": 2, "score_rounds": 1,
+                  "min_train_views": 0},
     })
     dvc(root, "repro", f"split@{scene}")
     return root

@@ -87,7 +87,7 @@ def test_prune_and_evaluate_allocate_only_on_the_run_device(scene, tmp_path, str
     cams = scoring.cameras_at(scene.train_views, 1.0)
     targets = prune.CachedImages(scene.train_views, 1.0)
 
-    def recover(s, deg, steps, desc):
+    def recover(s, deg, steps, desc, rows):
         return finetune(s, scene, steps, cfg, sh_degree=deg, means_lr_factor=0.3)
 
     for score in ("removal", "significance"):
@@ -237,7 +237,7 @@ def test_whole_pipeline_on_cuda_matches_the_cpu_run(tmp_path):
     results = {}
     for backend in ("cuda", "cpu"):
         root = make_project(tmp_path / backend, overrides={
-            "train": {**small, "backend": backend}, "prune": {"backend": backend, "phases": 1},
+            "train": {**small, "backend": backend}, "prune": {"backend": backend, "phases": 1, "min_train_views": 0},
             "evaluate": {"backend": backend, "lpips_variants": []}})
         dvc(root, "repro")
         ev = stage_record(root, "tiny", "evaluate")

@@ -23,7 +23,8 @@ def test_dvc_exp_run_show_diff_apply_and_the_mlflow_run(tmp_path):
     root = make_project(tmp_path / "proj", overrides={
         "base": {"threads": 1},
         "train": {"max_steps": 30, "progress": False, "early_stop": {"enabled": False}},
-        "prune": {"phases": 1, "finetune_steps": 10, "progress": False, "val_views": 2, "score_rounds": 1},
+        "prune": {"phases": 1, "finetune_steps": 10, "progress": False, "val_views": 2, "score_rounds": 1,
+                  "min_train_views": 0},
         "evaluate": {"lpips_variants": ["lpips_alex"]},
     })
     env = project_env()

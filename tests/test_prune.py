@@ -266,6 +266,67 @@ def test_recovery_position_learning_rate(scene_files):
     assert moved[None] <= max(cfg.lr.means * sc * cfg.lr.means_final_factor, 4.0 * 2.0**-23) * 1.05
 
 
+def test_recovery_continues_adam_from_the_given_moments(scene_files):
+    """``moments``: the fine-tune continues Adam from them. Started fresh, Adam's first step moves every opacity
+    with a gradient by the full rate (bias-corrected moments of one sample); continued from a long run's moments
+    (no momentum, large second moments) the same step hardly moves them."""
+    from splatflow.gaussians.model import SPLAT_KEYS
+    from splatflow.train import finetune
+
+    cfg = TrainConfig(backend=BACKEND, image_cache_mb=16)
+    s = Splats.of(scene_files.splats)
+    moments = {k: {"step": torch.tensor(5000.0), "exp_avg": torch.zeros_like(s[k]),
+                   "exp_avg_sq": torch.full_like(s[k], 1e4)} for k in SPLAT_KEYS}
+    moved = {}
+    for name, m in (("fresh", None), ("continued", moments)):
+        out = finetune(s, scene_files.scene, 1, cfg, sh_degree=1, backend=BACKEND, moments=m)
+        moved[name] = float((out["opacities"] - s["opacities"]).abs().max())
+    assert moved["fresh"] == pytest.approx(cfg.lr.opacities, rel=0.01)
+    assert moved["continued"] < 1e-3 * moved["fresh"], moved
+    bad = {**moments, "scales": {**moments["scales"], "exp_avg": moments["scales"]["exp_avg"][:5]}}
+    with pytest.raises(ValueError, match="scales"):
+        finetune(s, scene_files.scene, 1, cfg, sh_degree=1, backend=BACKEND, moments=bad)
+
+
+def test_trained_moments_are_the_checkpoints_adam_state(scene_files, tmp_path):
+    """The recovery's Adam state comes from the trained checkpoint, rows brought up to date: the sparse step's
+    checkpoint gives the moments dense Adam would hold after the same steps; a checkpoint without a whole
+    optimizer state gives None (the recovery then starts Adam from zero)."""
+    from dataclasses import replace
+
+    from splatflow.gaussians.model import SPLAT_KEYS, Checkpoint
+    from splatflow.train import Trainer
+
+    cfg = TrainConfig(max_steps=8, backend=BACKEND, progress=False, image_cache_mb=16, patch_max_pixels=1024)
+    got = {}
+    for sparse in (True, False):
+        path = tmp_path / f"{sparse}.pt"
+        Trainer(scene_files.scene, replace(cfg, sparse_step=sparse), seed=3, splats=scene_files.splats,
+                densify=False, ckpt_path=path).run()
+        got[sparse] = prune.trained_moments(Checkpoint.load(path))
+    for k in SPLAT_KEYS:
+        assert got[True][k]["exp_avg"].shape == scene_files.splats[k].shape
+        assert float(got[True][k]["step"]) == 8
+        for n in ("exp_avg", "exp_avg_sq"):  # equal up to float rounding (rows left behind would differ by far more)
+            a, b = got[True][k][n], got[False][k][n]
+            assert float((a - b).norm()) <= 1e-3 * float(b.norm()), (k, n)
+    assert float(got[True]["opacities"]["exp_avg_sq"].abs().max()) > 0
+    assert prune.trained_moments(Checkpoint.load(scene_files.ckpt)) is None  # its optimizer state is a stand-in
+
+
+def test_a_scene_with_few_training_views_is_copied_not_pruned(scene_files, tmp_path):
+    """``prune.min_train_views``: below it the stage copies the trained model and says why; at it, it prunes."""
+    n = len(scene_files.scene.train_views)
+    for floor, pruned in ((n + 1, False), (n, True)):
+        out = tmp_path / f"{floor}.pt"
+        m = prune.run_prune(_cfg(keep_first=0.5, score_rounds=1, max_psnr_drop_db=100.0, min_train_views=floor),
+                            TrainConfig(), train_ckpt=scene_files.ckpt, out_ckpt=out, scene=scene_files.scene)
+        assert (m["gaussians_after"] < m["gaussians_before"]) == pruned
+        assert load_splats(out)[0]["means"].shape[0] == m["gaussians_after"]
+        if not pruned:
+            assert m["stop_reason"].startswith("no-op") and "min_train_views" in m["stop_reason"]
+
+
 def test_cached_training_images_match_their_cameras(scene_files):
     """The removal score's targets: decoded on demand within the cache budget, each the size of its camera."""
     views = scene_files.scene.train_views
@@ -319,7 +380,8 @@ def test_recovery_steps_grow_as_the_model_shrinks(scene_files):
     cams, targets = _val(scene_files)
     calls = []
 
-    def fake_recovery(s, deg, steps, desc):  # records the request; returns the pruned model unchanged
+    def fake_recovery(s, deg, steps, desc, rows):  # records the request; returns the pruned model unchanged
+        assert torch.equal(s["means"], scene_files.splats["means"][rows])  # rows name the kept Gaussians
         calls.append((s["means"].shape[0], steps))
         return s
 
@@ -346,7 +408,8 @@ def test_zero_tolerance_rejects_first_phase_and_keeps_the_model(scene_files):
 
 
 def _cfg(**kw) -> PruneConfig:
-    base = dict(val_views=3, val_factor=1.0, backend=BACKEND, progress=False, finetune_steps=0, finetune_growth=0.0)
+    base = dict(val_views=3, val_factor=1.0, backend=BACKEND, progress=False, finetune_steps=0, finetune_growth=0.0,
+                min_train_views=0)  # the scene has 3 training views
     base.update(kw)
     return PruneConfig(**base)
 
@@ -413,8 +476,8 @@ def test_stage_main_writes_checkpoint_and_metrics(scene_files, tmp_path):
     shutil.copytree(scene_files.ckpt.parent, paths.train_ckpt.parent)
     params = {"base": {"scenes": {"t": {"source": "unused"}}, "threads": 1},
               "train": {"backend": BACKEND, "image_cache_mb": 16, "progress": False},
-              "prune": {"keep_first": 0.3, "phases": 1, "finetune_steps": 2, "val_views": 2, "val_factor": 1.0,
-                        "max_psnr_drop_db": 5.0, "backend": BACKEND, "progress": False}}
+              "prune": {"keep_first": 0.3, "phases": 1, "finetune_steps": 2, "val_views": 2, "min_train_views": 0,
+                        "val_factor": 1.0, "max_psnr_drop_db": 5.0, "backend": BACKEND, "progress": False}}
     (root / "params.yaml").write_text(yaml.safe_dump(params))
     stage.main(["t", "--params", str(root / "params.yaml")])
     m = stage_record(paths.root, paths.scene, "prune")

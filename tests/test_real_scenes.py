@@ -27,7 +27,7 @@ def test_fountain_through_seven_stages_at_downscale_4(tmp_path):
     root = make_project(tmp_path / "proj", generate=False, overrides={
         "base": {"resolution": {"downscale": 4, "max_side_px": None, "default_max_side_px": 1600}},
         "train": {"max_steps": 300, "progress": False},
-        "prune": {"phases": 1, "finetune_steps": 20, "progress": False},
+        "prune": {"phases": 1, "finetune_steps": 20, "progress": False, "min_train_views": 0},
         "evaluate": {"lpips_variants": []}})
     params = yaml.safe_load((root / "params.yaml").read_text())
     params["base"]["scenes"] = {"fountain": {"source": str(SCENE / "images"),

@@ -228,7 +228,7 @@ def test_train_and_evaluate_at_downscale_2_through_dvc(tmp_path):
     root = make_project(tmp_path / "proj", overrides={
         "base": {"resolution": {"downscale": 2, "max_side_px": None, "default_max_side_px": 1600}},
         "train": {"max_steps": 60, "progress": False},
-        "prune": {"phases": 1, "finetune_steps": 5, "progress": False},
+        "prune": {"phases": 1, "finetune_steps": 5, "progress": False, "min_train_views": 0},
         "evaluate": {"lpips_variants": []}})
     dvc(root, "repro", "evaluate@tiny")
     m = {s: stage_record(root, "tiny", s)

@@ -30,7 +30,8 @@ pytestmark = pytest.mark.slow
 # Small enough for seconds per stage; not a quality check (bench/ measures quality with the default params).
 FAST = {
     "train": {"max_steps": 50, "progress": False},
-    "prune": {"phases": 1, "finetune_steps": 20, "score_rounds": 1, "val_views": 2, "progress": False},
+    "prune": {"phases": 1, "finetune_steps": 20, "score_rounds": 1, "val_views": 2, "progress": False,
+              "min_train_views": 0},
     "evaluate": {"lpips_variants": [], "save_renders": False},
 }
 

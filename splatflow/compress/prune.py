@@ -15,7 +15,8 @@ Phases: pruning all the way to 10% at once destroys the scene; pruning in steps 
 (the "prune and recover" of the paper, here repeated) lets the survivors adapt. Each phase re-scores the current
 model, so a Gaussian that became important after the previous recovery is kept. Pruning stops early, keeping the
 last accepted phase, when the PSNR on a few TRAINING views falls more than a tolerance below the unpruned model's
-(test views stay untouched, docs/design.md §6).
+(test views stay untouched, docs/design.md §6). That check cannot see a recovery that overfits the views it trains
+on, which happens on few views: a scene with fewer than ``prune.min_train_views`` training views is not pruned.
 
 Deviations from LightGaussian, each measured on the demo scene (docs/experiments.md, Pruning, 2026-11-25), all
 configurable:
@@ -32,6 +33,13 @@ configurable:
   final one (0.01). Deep cuts of the synthetic demo recovered better at 0.3 (the survivors move into the gaps the
   removed ones leave), but on a real 360-degree capture halved once, 0.3 fitted the training views and lost
   0.4 dB more on the test views than 0.01 (bench/RESULTS.md, "Real captures").
+- The recovery is long: 2,000 steps x keep^-0.5 (2,828 after halving). On real captures the cut itself costs
+  1.6-2.4 dB (a trained model's Gaussians share the work: each alone is cheap to remove, half of them are not),
+  and the test views recover slowly: halving a 360-degree capture's 300K model left it 0.65 dB under the unpruned
+  model after 1,414 steps, 0.39 after 2,828 and 0.18 after 5,657 (bench/RESULTS.md, "Real captures").
+- The recovery continues Adam from the trained model's moments (the rows of the kept Gaussians), as
+  LightGaussian's recovery keeps the optimizer, instead of restarting it (``prune.finetune_adam: fresh``): a
+  restarted Adam's first steps move every parameter by the full rate. Measured +0.04-0.05 dB on the test views.
 """
 
 from __future__ import annotations
@@ -53,18 +61,21 @@ from splatflow.pipeline import device as devices
 from splatflow.pipeline import stop
 from splatflow.pipeline.config import PruneConfig, section_dict
 from splatflow.pipeline.errors import UserError
-from splatflow.gaussians.model import Checkpoint, Splats, save_checkpoint
+from splatflow.gaussians.model import SPLAT_KEYS, Checkpoint, Splats, save_checkpoint
 from splatflow.scene.dataset import load_scene
 from splatflow.scene.images import ImageCache
 from splatflow.compress.scoring import (SCORES, Camera, cameras_at, mean_psnr, removal_scores, significance,
                                         top_indices, val_indices)
 from splatflow.train import finetune as _finetune
+from splatflow.train.checkpoint import restore
 from splatflow.train.prune_during import verify
+from splatflow.train.state import GaussianState, select_moments
 
 log = logging.getLogger("splatflow.prune")
 
-# A recovery fine-tune: (splats, sh_degree, steps, description) -> fine-tuned splats (detached float32 CPU).
-FinetuneFn = Callable[[Splats, int, int, str], Splats]
+# A recovery fine-tune: (splats, sh_degree, steps, description, rows) -> fine-tuned splats (detached float32 CPU);
+# ``rows`` are the indices of the Gaussians of ``splats`` in the model given to :func:`prune_phases`
+FinetuneFn = Callable[[Splats, int, int, str, torch.Tensor], Splats]
 
 
 def keep_schedule(keep_first: float, keep_decay: float, phases: int) -> list[float]:
@@ -116,9 +127,11 @@ def prune_phases(splats: Splats, sh_degree: int, cfg: PruneConfig, *, score_came
     if n0 == 0:
         raise UserError("the trained checkpoint holds no Gaussians; rerun the train stage")
     current = splats.clone()
+    rows = torch.arange(n0)  # current's Gaussians as rows of ``splats`` (the fine-tune's Adam state follows them)
     first_phase = 1
     if resume is not None:
         current = Splats.of(resume["splats"]).to(splats.device)
+        rows = resume["rows"].to(torch.int64)
         report = copy.deepcopy(resume["report"])
         psnr_before, accepted_psnr = report["val_psnr_before"], resume["accepted_psnr"]
         first_phase = int(resume["next_phase"])
@@ -143,7 +156,7 @@ def prune_phases(splats: Splats, sh_degree: int, cfg: PruneConfig, *, score_came
         n_cur = current.n
         if n_keep >= n_cur:  # the schedule asks for nothing new (e.g. decay 1.0)
             continue
-        candidate = current
+        candidate, cand_rows = current, rows
         rounds = cfg.score_rounds
         for r in range(1, rounds + 1):  # geometric sub-cuts, each re-scored without the ones cut before
             n_sub = n_keep if r == rounds else int(round(n_cur * (n_keep / n_cur) ** (r / rounds)))
@@ -153,10 +166,11 @@ def prune_phases(splats: Splats, sh_degree: int, cfg: PruneConfig, *, score_came
                 scores = significance(candidate, score_cameras, beta=cfg.volume_beta,
                                       ref_quantile=cfg.volume_ref_quantile, backend=cfg.backend,
                                       progress=cfg.progress)
-            candidate = candidate.select(top_indices(scores, n_sub))
+            top = top_indices(scores, n_sub)
+            candidate, cand_rows = candidate.select(top), cand_rows[top.to(cand_rows.device)]
         steps = int(round(cfg.finetune_steps * float(frac) ** -cfg.finetune_growth)) if finetune is not None else 0
         if steps > 0:
-            candidate = finetune(candidate, sh_degree, steps, f"recover phase {phase}")
+            candidate = finetune(candidate, sh_degree, steps, f"recover phase {phase}", cand_rows)
         val = mean_psnr(candidate, sh_degree, val_cameras, val_targets, cfg.backend)
         ok = bool(val >= floor_db)
         record = {"phase": phase, "keep_fraction": round(float(frac), 6), "gaussians": n_keep,
@@ -172,9 +186,10 @@ def prune_phases(splats: Splats, sh_degree: int, cfg: PruneConfig, *, score_came
                                      f"than {cfg.max_psnr_drop_db:g} dB below the unpruned {psnr_before:.2f} dB; "
                                      f"kept phase {phase - 1}")
             break
-        current, accepted_psnr = candidate, val
+        current, rows, accepted_psnr = candidate, cand_rows, val
         if on_accepted is not None:
-            on_accepted({"splats": current, "report": report, "accepted_psnr": val, "next_phase": phase + 1})
+            on_accepted({"splats": current, "rows": rows, "report": report, "accepted_psnr": val,
+                         "next_phase": phase + 1})
     bar.close()
     report.update({
         "gaussians_after": current.n,
@@ -182,6 +197,18 @@ def prune_phases(splats: Splats, sh_degree: int, cfg: PruneConfig, *, score_came
         "val_psnr_after": accepted_psnr,
     })
     return PruneResult(current, report)
+
+
+def trained_moments(ckpt: Checkpoint) -> dict | None:
+    """The Adam moments of a trained checkpoint's Gaussians, rows up to date (:meth:`GaussianState.moments`), or
+    None when it holds no optimizer state (a model imported or written without one: the recovery then starts
+    Adam from zero)."""
+    st = ckpt.train or {}
+    if set(st.get("optimizers") or {}) != set(SPLAT_KEYS) or "strategy_state" not in st:
+        return None
+    gs = GaussianState(ckpt.splats, {k: 1.0 for k in SPLAT_KEYS}, "cpu")
+    restore(gs, ckpt)
+    return gs.moments()
 
 
 def val_set(scene, n_views: int, factor: float, image_cache_mb: int = 256) -> tuple[list[Camera], list[torch.Tensor]]:
@@ -242,17 +269,23 @@ def run_prune(cfg, train_cfg, *, train_ckpt, out_ckpt, undistorted_dir=None, spl
     if during.get("cuts"):  # pruned inside training (train.prune_during): verify and copy, never cut again
         result = PruneResult(splats.clone(),
                              verify(during, splats, mean_psnr(splats, sh_degree, val_cams, val_targets, cfg.backend)))
-    elif not schedule:  # no-op: copy the trained splats, still measure and write everything
+    elif not schedule or len(scene.train_views) < cfg.min_train_views:  # no-op: copy, still measure and write
         psnr = mean_psnr(splats, sh_degree, val_cams, val_targets, cfg.backend)
-        why = "prune.enabled is false" if not cfg.enabled else "the keep schedule keeps every Gaussian"
+        why = ("prune.enabled is false" if not cfg.enabled else "the keep schedule keeps every Gaussian"
+               if not schedule else f"{len(scene.train_views)} training views, fewer than prune.min_train_views "
+               f"({cfg.min_train_views}): a recovery on so few views fits them and loses the others, unseen by the "
+               f"check on training views")
         result = PruneResult(splats.clone(), {
             "gaussians_before": splats.n, "size_mb_before": round(splats.size_mib, 4),
             "val_psnr_before": psnr, "phases": [], "stopped_early": 0, "stop_reason": f"no-op: {why}",
             "gaussians_after": splats.n, "size_mb_after": round(splats.size_mib, 4), "val_psnr_after": psnr})
     else:
-        def recover(s: Splats, deg: int, steps: int, desc: str) -> Splats:
+        moments = trained_moments(ckpt) if cfg.finetune_adam == "trained" else None
+
+        def recover(s: Splats, deg: int, steps: int, desc: str, rows: torch.Tensor) -> Splats:
             return _finetune(s, scene, steps, train_cfg, sh_degree=deg, seed=seed, progress=cfg.progress,
-                             backend=cfg.backend, means_lr_factor=cfg.finetune_means_lr)
+                             backend=cfg.backend, means_lr_factor=cfg.finetune_means_lr,
+                             moments=None if moments is None else select_moments(moments, rows))
 
         score_cams = cameras_at(scene.train_views, cfg.score_factor)
         score_targets = (CachedImages(scene.train_views, cfg.score_factor, train_cfg.image_cache_mb)
@@ -307,7 +340,8 @@ def save_phases(path, key: str, state: dict) -> None:
     with stop.cooperative():  # the splats as a dict, the 3D smoothing filter in it when the model has one
         save_checkpoint(path, {"key": key, "splats": {**splats.as_dict(), **({} if splats.filter_3d is None else
                                                                             {"filter_3d": splats.filter_3d})},
-                               "report": state["report"], "accepted_psnr": state["accepted_psnr"],
+                               "rows": state["rows"], "report": state["report"],
+                               "accepted_psnr": state["accepted_psnr"],
                                "next_phase": state["next_phase"]})
     stop.raise_if_requested(f"after saving prune phase {state['next_phase'] - 1} to {path}")
 

@@ -119,14 +119,17 @@ class Plan:
         return head + (f" ({what[0]}; pin with {', '.join(pin)})" if pin else " (as set in params.yaml)")
 
 
-def _scaled(base: int, lo: int, hi: int, ratio: float, round_to: int) -> int:
-    value = base * math.sqrt(max(ratio, 0.0))
+def _clamped(value: float, lo: int, hi: int, round_to: int) -> int:
+    """``value`` rounded to a multiple of ``round_to``, then held within ``[lo, hi]``."""
     return int(min(hi, max(lo, round(value / round_to) * round_to)))
 
 
+def _scaled(base: int, lo: int, hi: int, ratio: float, round_to: int) -> int:
+    return _clamped(base * math.sqrt(max(ratio, 0.0)), lo, hi, round_to)
+
+
 def _by_views(lim: Limits, views: int) -> int:
-    value = lim.steps * max(1.0, views / REFERENCE_VIEWS)
-    return int(min(lim.steps_max, max(lim.steps_min, round(value / 100) * 100)))
+    return _clamped(lim.steps * max(1.0, views / REFERENCE_VIEWS), lim.steps_min, lim.steps_max, 100)
 
 
 def resolve(cfg: TrainConfig, views, device_kind: str, gpu_memory_gib: float | None = None,

@@ -40,12 +40,14 @@ class TrainingRun:
     ``densify=False`` switches densification and pruning off; ``schedules`` overrides the ones built from ``cfg``.
     ``stop_after`` ends the run early at that step with a resumable checkpoint (tests, SIGTERM drills).
     ``watchers`` see the run after every step through its sink (:meth:`MetricsSink.step`; the live view).
+    ``moments`` (with ``splats``): Adam's state of those Gaussians to continue from
+    (:meth:`GaussianState.moments`'s layout); without it Adam starts from zero.
     """
 
     def __init__(self, scene, cfg: TrainConfig, *, ckpt_path: str | Path | None = None,
                  csv_path: str | Path | None = None, seed: int = 0, splats: dict | None = None,
                  densify: bool = True, schedules: Schedules | None = None, stop_after: int | None = None,
-                 step_logger=None, watchers=()):
+                 step_logger=None, watchers=(), moments: dict | None = None):
         if not scene.train_views:
             raise UserError("no training views: the split left every view in the test set; check data/<scene>/"
                             "split.json and the split params")
@@ -82,6 +84,8 @@ class TrainingRun:
         lrs = {"means": self.sched.means_lr.lr(0), "scales": cfg.lr.scales, "quats": cfg.lr.quats,
                "opacities": cfg.lr.opacities, "sh0": cfg.lr.sh0, "shN": cfg.lr.shN}
         self.state = GaussianState(splats, lrs, self.device, sparse=self.adam.sparse)
+        if moments is not None:
+            self.state.set_moments(moments)
         for p in self.policies:
             p.initialize(self.state, self.scene_scale)
         es = cfg.early_stop

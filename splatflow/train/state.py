@@ -227,6 +227,39 @@ class GaussianState:
                 self.strategy[name] = None
         self.sync()
 
+    # ------------------------------------------------------------------------------------------ Adam moments
+    def moments(self) -> dict:
+        """Each group's Adam state, rows up to date (copies on the CPU): ``{group: {"step", "exp_avg",
+        "exp_avg_sq"}}``, one row per Gaussian; ``{}`` for a group not stepped yet. What :meth:`set_moments`
+        takes, after selecting rows with :func:`select_moments`."""
+        self.flush()
+        out = {}
+        for k in SPLAT_KEYS:
+            st = self.optimizers[k].state.get(self.params[k], {})
+            out[k] = {n: v.detach().to("cpu", copy=True) for n, v in st.items()}
+        return out
+
+    def set_moments(self, moments: dict) -> None:
+        """Continue Adam from ``moments`` (:meth:`moments`'s layout, one row per current Gaussian; a group given
+        as ``{}`` starts from zero): a fine-tune of a trained model then takes the steps its training would have
+        taken, instead of restarting with bias-corrected moments of a few samples."""
+        self.flush()
+        for k in SPLAT_KEYS:
+            m = moments.get(k) or {}
+            p, opt = self.params[k], self.optimizers[k]
+            if not m:
+                opt.state.pop(p, None)
+                continue
+            for name in ADAM_ROW_KEYS:
+                if tuple(m[name].shape) != tuple(p.shape):
+                    raise ValueError(f"Adam {name} of {k} has shape {tuple(m[name].shape)}, the parameter "
+                                     f"{tuple(p.shape)}: the moments must follow the Gaussians' rows")
+            step = m["step"].detach().to(torch.float32).reshape(())
+            opt.state[p] = {"step": step.to(p.device, copy=True),
+                            **{n: m[n].detach().to(p.device, torch.float32, copy=True) for n in ADAM_ROW_KEYS}}
+        if self.sparse is not None:
+            self.sparse.sync(self.params, self.optimizers, force=True)
+
     # ------------------------------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict:
         """Everything a checkpoint holds of the Gaussians, every tensor on the CPU: ``splats`` (the parameters as
@@ -262,6 +295,12 @@ class GaussianState:
         if self.sparse is None:
             lazy.flush(self.params, self.optimizers)
 
+
+
+def select_moments(moments: dict, rows: torch.Tensor) -> dict:
+    """``moments`` (:meth:`GaussianState.moments`'s layout) of the Gaussians ``rows`` only (int64 indices)."""
+    return {k: {n: (v.index_select(0, rows.to(v.device)) if n in ADAM_ROW_KEYS else v) for n, v in m.items()}
+            for k, m in moments.items()}
 
 
 def _copied(obj, device: torch.device):
