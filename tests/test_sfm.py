@@ -223,3 +223,36 @@ def test_degenerate_reconstruction_tables_are_rejected(tmp_path):
         (gt / "cameras.txt").write_text(bad + "\n")
         with pytest.raises(UserError, match="cameras table is invalid"):
             validate_reconstruction(pycolmap.Reconstruction(str(gt)), str(gt))
+
+
+MATCH_WITH_PROGRESS = """
+import sys
+from pathlib import Path
+import pycolmap
+from splatflow.scene.sfm import _MatchProgress
+db, images = Path(sys.argv[1]), sys.argv[2]
+pycolmap.extract_features(db, images, camera_mode=pycolmap.CameraMode.SINGLE)
+with _MatchProgress(db, int(sys.argv[3]), True, every_s=0.001) as bar:
+    pycolmap.match_exhaustive(db)
+print("counted", bar.last, flush=True)
+"""
+
+
+def test_the_match_progress_bar_never_disturbs_the_matcher(synthetic_project, tmp_path):
+    """The pair count is read while pycolmap writes its WAL-mode database. Read from pycolmap's own process (a
+    second SQLite library there, blind to the first's locks) it truncated the WAL index under the matcher, which
+    died of SIGBUS; here it is polled every millisecond through the whole match, which must finish and be
+    counted to the last pair."""
+    import subprocess
+    import sys
+
+    _, paths = synthetic_project
+    n = len(list(paths.images_dir.iterdir()))
+    pairs = n * (n - 1) // 2
+    for attempt in range(3):  # the old reader crashed the matcher in a few of these polls
+        db = tmp_path / f"db{attempt}.db"
+        proc = subprocess.run([sys.executable, "-c", MATCH_WITH_PROGRESS, str(db), str(paths.images_dir), str(pairs)],
+                              capture_output=True, text=True, timeout=300,
+                              cwd=Path(__file__).resolve().parents[1])
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert f"counted {pairs}" in proc.stdout

@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import math
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -332,10 +334,34 @@ class _Phase:
                  f"({time.process_time() - self.cpu0:.1f} CPU-s)")
 
 
+# The pair count of _MatchProgress, read by a child process: pycolmap's own SQLite keeps its database in WAL mode
+# with the -shm index memory-mapped, and a second SQLite library in the same process (Python's) cannot see that
+# library's locks (POSIX locks are per process), so on closing it took itself for the last connection and
+# truncated the WAL index under the matcher, which died of SIGBUS minutes into an exhaustive match. A reader in
+# another process takes locks the matcher's SQLite sees: it never checkpoints, and a WAL reader blocks no writer.
+_COUNT_PAIRS = """
+import sqlite3, sys
+uri = "file:" + sys.argv[1] + "?mode=ro"
+while sys.stdin.readline():
+    n = -1
+    try:
+        con = sqlite3.connect(uri, uri=True, timeout=0.2)
+        try:
+            n = max(int(con.execute("SELECT count(*) FROM " + t).fetchone()[0])
+                    for t in ("matches", "two_view_geometries"))
+        finally:
+            con.close()
+    except sqlite3.Error:
+        pass
+    print(n, flush=True)
+"""
+
+
 class _MatchProgress:
     """A progress bar for pycolmap's matching, which reports nothing while it runs (20 minutes for 250 photos
-    matched exhaustively on 2 cores): a thread counts the image pairs already written to the database (read-only;
-    a locked database skips a tick) against the pairs the matcher will visit."""
+    matched exhaustively on 2 cores): a thread asks a child process (:data:`_COUNT_PAIRS`; never this process,
+    see there) for the image pairs already written to the database (read-only; a locked database skips a tick)
+    and sets them against the pairs the matcher will visit."""
 
     def __init__(self, db: Path, total_pairs: int, enabled: bool, every_s: float = 2.0):
         import threading
@@ -343,19 +369,24 @@ class _MatchProgress:
         self.db, self.total, self.enabled, self.every_s = db, max(int(total_pairs), 1), enabled, every_s
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
+        self.child = None
+        self.last = None  # the last count read
 
     def _count(self) -> int | None:
-        import sqlite3
-
+        """The pairs written so far, or None (a locked or not yet created table, or no reader)."""
         try:
-            con = sqlite3.connect(f"file:{self.db}?mode=ro", uri=True, timeout=0.2)
-            try:
-                return max(int(con.execute(f"SELECT count(*) FROM {t}").fetchone()[0])
-                           for t in ("matches", "two_view_geometries"))
-            finally:
-                con.close()
-        except sqlite3.Error:
+            if self.child is None:
+                self.child = subprocess.Popen([sys.executable, "-c", _COUNT_PAIRS, str(self.db)], text=True,
+                                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                              stderr=subprocess.DEVNULL)
+            self.child.stdin.write("\n")
+            self.child.stdin.flush()
+            n = int(self.child.stdout.readline())
+        except (OSError, ValueError):
             return None
+        if n >= 0:
+            self.last = n
+        return n if n >= 0 else None
 
     def _run(self) -> None:
         from tqdm.auto import tqdm
@@ -378,6 +409,13 @@ class _MatchProgress:
         self.done.set()
         if self.enabled:
             self.thread.join()
+        if self.child is not None:
+            try:
+                self.child.stdin.close()  # the reader's loop ends on end of input
+                self.child.wait(timeout=10)
+            except (OSError, subprocess.TimeoutExpired):
+                self.child.kill()
+                self.child.wait()
 
 
 def replace_dir(staged: Path, final: Path) -> None:
