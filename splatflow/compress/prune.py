@@ -208,7 +208,7 @@ def trained_moments(ckpt: Checkpoint) -> dict | None:
         return None
     gs = GaussianState(ckpt.splats, {k: 1.0 for k in SPLAT_KEYS}, "cpu")
     restore(gs, ckpt)
-    return gs.moments()
+    return gs.moments(copy=False)
 
 
 def val_set(scene, n_views: int, factor: float, image_cache_mb: int = 256) -> tuple[list[Camera], list[torch.Tensor]]:
@@ -271,16 +271,20 @@ def run_prune(cfg, train_cfg, *, train_ckpt, out_ckpt, undistorted_dir=None, spl
                              verify(during, splats, mean_psnr(splats, sh_degree, val_cams, val_targets, cfg.backend)))
     elif not schedule or len(scene.train_views) < cfg.min_train_views:  # no-op: copy, still measure and write
         psnr = mean_psnr(splats, sh_degree, val_cams, val_targets, cfg.backend)
-        why = ("prune.enabled is false" if not cfg.enabled else "the keep schedule keeps every Gaussian"
-               if not schedule else f"{len(scene.train_views)} training views, fewer than prune.min_train_views "
-               f"({cfg.min_train_views}): a recovery on so few views fits them and loses the others, unseen by the "
-               f"check on training views")
+        if not cfg.enabled:
+            why = "prune.enabled is false"
+        elif not schedule:
+            why = "the keep schedule keeps every Gaussian"
+        else:
+            why = (f"{len(scene.train_views)} training views, fewer than prune.min_train_views "
+                   f"({cfg.min_train_views}): a recovery on so few views fits them and loses the others, unseen "
+                   "by the check on training views")
         result = PruneResult(splats.clone(), {
             "gaussians_before": splats.n, "size_mb_before": round(splats.size_mib, 4),
             "val_psnr_before": psnr, "phases": [], "stopped_early": 0, "stop_reason": f"no-op: {why}",
             "gaussians_after": splats.n, "size_mb_after": round(splats.size_mib, 4), "val_psnr_after": psnr})
     else:
-        moments = trained_moments(ckpt) if cfg.finetune_adam == "trained" else None
+        moments = trained_moments(ckpt) if cfg.finetune_adam == "trained" and cfg.finetune_steps > 0 else None
 
         def recover(s: Splats, deg: int, steps: int, desc: str, rows: torch.Tensor) -> Splats:
             return _finetune(s, scene, steps, train_cfg, sh_degree=deg, seed=seed, progress=cfg.progress,

@@ -228,15 +228,16 @@ class GaussianState:
         self.sync()
 
     # ------------------------------------------------------------------------------------------ Adam moments
-    def moments(self) -> dict:
-        """Each group's Adam state, rows up to date (copies on the CPU): ``{group: {"step", "exp_avg",
-        "exp_avg_sq"}}``, one row per Gaussian; ``{}`` for a group not stepped yet. What :meth:`set_moments`
-        takes, after selecting rows with :func:`select_moments`."""
+    def moments(self, copy: bool = True) -> dict:
+        """Each group's Adam state, rows up to date, on the CPU: ``{group: {"step", "exp_avg", "exp_avg_sq"}}``,
+        one row per Gaussian; ``{}`` for a group not stepped yet. What :meth:`set_moments` takes, after selecting
+        rows with :func:`select_moments`. ``copy=False`` hands out the state's own CPU tensors (for a state about
+        to be dropped) instead of copies."""
         self.flush()
         out = {}
         for k in SPLAT_KEYS:
             st = self.optimizers[k].state.get(self.params[k], {})
-            out[k] = {n: v.detach().to("cpu", copy=True) for n, v in st.items()}
+            out[k] = {n: v.detach().to("cpu", copy=copy) for n, v in st.items()}
         return out
 
     def set_moments(self, moments: dict) -> None:
