@@ -51,3 +51,16 @@ def test_auto_mapping_is_global_past_the_exhaustive_limit_and_a_set_value_holds(
     assert choose_mapper(cfg, 252) == "global"
     assert choose_mapper(SfmConfig(mapper="incremental"), 252) == "incremental"
     assert choose_mapper(SfmConfig(mapper="global"), 36) == "global"
+
+
+def test_an_even_error_points_at_the_camera_model_and_a_patchy_one_does_not():
+    """A high mean reprojection error spread evenly over the images (a phone's focal length moving between shots
+    under one shared camera) gets the per-image camera advice; one from a share of misplaced photos gets only the
+    matcher advice."""
+    even = {"fitness_poor": 1, "mean_reprojection_error_px": 0.89, "image_reprojection_error_px_median": 0.98,
+            "image_reprojection_error_px_p90": 1.03, "images_poorly_placed_fraction": 0.0}
+    msg = fitness_warning(even)
+    assert "spread evenly" in msg and "sfm.camera_mode: per_image" in msg and "sfm.matcher" in msg
+    patchy = {**even, "image_reprojection_error_px_p90": 2.4, "images_poorly_placed_fraction": 0.2}
+    msg = fitness_warning(patchy)
+    assert "per_image" not in msg and "sfm.matcher" in msg and "20% of the images" in msg
