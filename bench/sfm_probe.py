@@ -34,8 +34,6 @@ def main() -> None:
     ap.add_argument("--json")
     a = ap.parse_args()
 
-    import torch
-
     from splatflow.compress.prune import CachedImages
     from splatflow.compress.scoring import cameras_at
     from splatflow.evaluation.metrics import psnr
@@ -47,7 +45,7 @@ def main() -> None:
 
     proj = Path(a.project)
     os.chdir(proj)
-    params = load_params("params.yaml")
+    params = load_params("params.yaml").for_scene(a.scene)  # the scene's own overrides, as the stages read them
     paths = ScenePaths(a.scene)
     scene, _ = load_working_scene(params, paths)
     cfg = params.train
