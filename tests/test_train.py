@@ -11,12 +11,14 @@ import random
 import signal
 import subprocess
 import sys
+import traceback
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from splatflow.pipeline.config import TrainConfig, params_from_dict
 from splatflow.gaussians.model import Splats, init_splats, load_checkpoint, load_splats
@@ -196,6 +198,63 @@ def test_deferred_checks_train_the_same_model_with_numbers_in_the_rows(scene, tm
         assert rows and all(math.isfinite(float(r["loss"])) and math.isfinite(float(r["ssim"])) for r in rows)
     for k in results[0].splats.keys():
         assert torch.equal(results[0].splats[k], results[1].splats[k]), k
+
+
+# operations that make the host wait for a GPU: a number read back, a size that depends on the data, or a tensor made
+# from Python numbers (copied to the device while the host waits)
+_WAITS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "unique_dim", "unique_consecutive",
+          "repeat_interleave", "lift_fresh", "lift_fresh_copy", "equal", "is_nonzero", "allclose"}
+
+
+class _HostWaits(TorchDispatchMode):
+    """Records, per training step, the operations of :data:`_WAITS` (and indexing by a boolean mask) made by the
+    training loop's own code: the rasterizer and the CPU loss kernels are left out (``splatflow/render``: a GPU runs
+    gsplat's kernels and the torch or Triton loss instead, tests/test_ssim.py checks those on the meta device), as
+    is the host's image decoding (``splatflow/scene/images.py``: a GPU run uploads from pinned memory without
+    waiting)."""
+
+    def __init__(self):
+        super().__init__()
+        self.sites: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name.split("::")[-1]
+        bool_index = name in ("index", "index_put", "index_put_") and any(
+            isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in (args[1] or ()))
+        if name in _WAITS or bool_index:
+            ours = [f for f in traceback.extract_stack() if "/splatflow/" in f.filename]
+            if ours and "/splatflow/render/" not in ours[-1].filename and not ours[-1].filename.endswith("images.py"):
+                self.sites.append(f"{name} at {Path(ours[-1].filename).name}:{ours[-1].lineno}")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("strategy", ["default", "mcmc"])
+def test_a_gpu_step_makes_the_host_wait_only_at_refines(scene, strategy):
+    """As a GPU run trains (whole images, the dense step, the deferred checks, no validation), a step asks the
+    device for nothing the host must wait for, except on the first step (the gradient health check) and at a
+    refine (densification counts what it adds and removes). One tensor made from Python numbers per step was
+    enough to stall the GPU's queue at every step (the densification gradients' NDC scale, until 2026-12-01)."""
+    cfg = small_cfg(60, sparse_step=False, patch_max_pixels=0, coarse_to_fine=False, log_every=1000)
+    cfg = replace(cfg, early_stop=replace(cfg.early_stop, enabled=False),
+                  densify=replace(cfg.densify, strategy=strategy))
+    tr = Trainer(scene, cfg)
+    tr.checks = DeferredChecks()
+    per_step, step_fn = {}, tr.train_step
+
+    def audited():
+        with _HostWaits() as mode:
+            row = step_fn()
+        per_step[tr.step] = mode.sites
+        return row
+
+    tr.train_step = audited
+    tr.run()
+    every = cfg.densify.refine_every
+    refines = [s for s in per_step if s > 0 and s % every == 0 and tr.strategy.refine_start_iter < s]
+    assert len(per_step) == 60 and refines, (len(per_step), refines)
+    waits = {s: sites for s, sites in per_step.items() if sites and s != 0 and s not in refines}
+    assert not waits, waits
+    assert any(per_step[s] for s in refines)  # the audit sees what it looks for
 
 
 SIGTERM_SCRIPT = """

@@ -384,9 +384,10 @@ class _MatchProgress:
             n = int(self.child.stdout.readline())
         except (OSError, ValueError):
             return None
-        if n >= 0:
-            self.last = n
-        return n if n >= 0 else None
+        if n < 0:
+            return None
+        self.last = n
+        return n
 
     def _run(self) -> None:
         from tqdm.auto import tqdm

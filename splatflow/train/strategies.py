@@ -116,7 +116,8 @@ class BudgetedDefaultStrategy(DefaultStrategy):
         grad = info[self.key_for_gradient].absgrad if self.absgrad else info[self.key_for_gradient].grad
         if grad is None:
             return
-        scale = grad.new_tensor([info["width"] / 2.0 * info["n_cameras"], info["height"] / 2.0 * info["n_cameras"]])
+        scale = self._ndc_scale(info["width"] / 2.0 * info["n_cameras"], info["height"] / 2.0 * info["n_cameras"],
+                                grad)
         n = params["means"].shape[0]
         if state["grad2d"] is None or state["grad2d"].shape[0] != n:
             state["grad2d"] = grad.new_zeros(n)  # [N]
@@ -130,6 +131,15 @@ class BudgetedDefaultStrategy(DefaultStrategy):
         else:
             state["grad2d"].index_add_(0, rows, (norms * sel).sum(dim=0))
             state["count"].index_add_(0, rows, sel.sum(dim=0).to(state["count"].dtype))
+
+    def _ndc_scale(self, sx: float, sy: float, like: torch.Tensor) -> torch.Tensor:
+        """``[sx, sy]`` on ``like``'s device, made once per value: a tensor made from Python numbers is copied to a
+        GPU with the host waiting, which every step would otherwise do (the views of a run share a few sizes)."""
+        key = (sx, sy, like.device, like.dtype)
+        cache = self.__dict__.setdefault("_scales", {})
+        if key not in cache:
+            cache[key] = like.new_tensor([sx, sy])
+        return cache[key]
 
     def changes_params_at(self, step: int) -> bool:
         """Whether :meth:`step_post_backward` at ``step`` may replace or rewrite the parameters (a refine or an

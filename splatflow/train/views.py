@@ -11,6 +11,7 @@ import torch
 
 from splatflow.gaussians.model import SPLAT_KEYS, Splats
 from splatflow.render import rasterize
+from splatflow.scene.cameras import scale_intrinsics
 from splatflow.scene.images import ImageCache
 from splatflow.train.sparse import candidates
 from splatflow.train.windows import level_budget, patch_window
@@ -35,9 +36,20 @@ class TrainingViews:
         self.cache = ImageCache(self.views, cfg.image_cache_mb)
         self.viewmats = [torch.as_tensor(np.asarray(v.world_to_cam, dtype=np.float32), device=device)
                          for v in self.views]  # [4, 4] each
-        self._k: dict[tuple[int, float], torch.Tensor] = {}  # (view, level factor) -> K [3, 3] on the device
+        self._ks: dict[float, torch.Tensor] = {}  # level factor -> every view's K [V, 3, 3] on the device
         n_val = min(cfg.early_stop.val_views, len(self.views))
         self.val_ids = sorted({int(round(x)) for x in np.linspace(0, len(self.views) - 1, n_val)})
+
+    def level_ks(self, factor: float) -> torch.Tensor:
+        """Every view's intrinsics at level ``factor`` (``[V, 3, 3]`` on the device), uploaded in one transfer the
+        first time the level is rendered: an upload from the host waits for a GPU's queue, so once per level, not
+        once per view and level."""
+        ks = self._ks.get(factor)
+        if ks is None:
+            ks = np.stack([scale_intrinsics(v.K, v.width, v.height, *self.cache.shape(j, factor))
+                           for j, v in enumerate(self.views)]).astype(np.float32)
+            ks = self._ks[factor] = torch.as_tensor(ks, device=self.device)
+        return ks
 
     def render(self, params: dict, i: int, factor: float, sh_degree: int, background: torch.Tensor | None = None,
                patch: bool = False, sparse: bool = False, filter_3d: torch.Tensor | None = None):
@@ -54,11 +66,9 @@ class TrainingViews:
         w, h = self.cache.shape(i, factor)
         win = patch_window(w, h, level_budget(self.window_pixels, factor, self.cfg.patch_level_exponent), self.rng) \
             if patch else None
-        target, K = self.cache.get(i, factor, device=self.device, window=win)  # only the window is uploaded
+        target, _ = self.cache.get(i, factor, device=self.device, window=win)  # only the window is uploaded
         mask = self.cache.mask(i, factor, window=win)  # [H, W] bool keep-mask, None without masks
-        Kt = self._k.get((i, factor))  # [3, 3]: uploaded once per view and level (an upload waits for the GPU)
-        if Kt is None:
-            Kt = self._k[(i, factor)] = torch.as_tensor(K, dtype=torch.float32, device=self.device)
+        Kt = self.level_ks(factor)[i]  # [3, 3]
         src, rows, filt = params, None, filter_3d
         if sparse:
             rows = candidates(params, self.viewmats[i], Kt, w, h, win, filter_3d)  # [n] int64
