@@ -51,18 +51,23 @@ def _close(ours: torch.Tensor, ref: torch.Tensor, rel: float) -> None:
     assert err <= rel * scale, f"max difference {err:.3g} against a largest cost of {scale:.3g}"
 
 
-def _triton_interpreted(tmp_path: Path, args, W: int, H: int, sh_degree: int, target):
-    """``removal_loss(..., backend="triton")`` in a fresh process under Triton's interpreter: the inputs and the
-    results travel through files (the CPU kernels' reference is computed here, where their compiled cache is
-    loaded once for the whole run)."""
+def _triton_interpreted(tmp_path: Path, args, W: int, H: int, sh_degree: int, target, kernel: str = "walk"):
+    """``removal_loss(..., backend="triton")`` in a fresh process under Triton's interpreter (with ``kernel``
+    "scan", :func:`~splatflow.render.score_triton.removal_loss_triton`'s other kernel): the inputs and the results
+    travel through files (the CPU kernels' reference is computed here, where their compiled cache is loaded once
+    for the whole run)."""
     src, dst = tmp_path / "inputs.pt", tmp_path / "outputs.pt"
     torch.save({"args": args, "target": target}, src)
+    call = "removal_loss(*d['args'], {W}, {H}, sh_degree={sh}, target=d['target'], backend='triton')" \
+        if kernel == "walk" else \
+        "removal_loss_triton(*d['args'], {W}, {H}, sh_degree={sh}, target=d['target'], kernel={kernel!r})"
     body = f"""
         import torch
         from splatflow.render import removal_loss
+        from splatflow.render.score_triton import removal_loss_triton
 
         d = torch.load({str(src)!r})
-        out = removal_loss(*d["args"], {W}, {H}, sh_degree={sh_degree}, target=d["target"], backend="triton")
+        out = {call.format(W=W, H=H, sh=sh_degree, kernel=kernel)}
         torch.save(out, {str(dst)!r})
     """
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), OMP_WAIT_POLICY="PASSIVE")
@@ -72,16 +77,17 @@ def _triton_interpreted(tmp_path: Path, args, W: int, H: int, sh_degree: int, ta
     return torch.load(dst)
 
 
+@pytest.mark.parametrize("kernel", ["walk", "scan"])
 @pytest.mark.parametrize("with_target", [True, False])
-def test_triton_removal_cost_equals_the_cpu_kernels(with_target, tmp_path):
+def test_triton_removal_cost_equals_the_cpu_kernels(with_target, kernel, tmp_path):
     """A 64x48 view of 120 Gaussians, against a random target and against the render itself, through
-    ``removal_loss``'s ``backend="triton"``."""
+    ``removal_loss``'s ``backend="triton"`` (the walk) and through the scan kernel."""
     from splatflow.render import removal_loss
 
     args, target = _scene(120, 64, 48, 0.08, seed=1)
     tgt = target if with_target else None
     img_c, inc_c = removal_loss(*args, 64, 48, sh_degree=1, target=tgt, backend="cpu")
-    img_t, inc_t = _triton_interpreted(tmp_path, args, 64, 48, 1, tgt)
+    img_t, inc_t = _triton_interpreted(tmp_path, args, 64, 48, 1, tgt, kernel)
     assert inc_t.dtype == torch.float64 and inc_t.shape == inc_c.shape == (1, 120)
     assert img_t.shape == img_c.shape == (1, 48, 64, 3)
     torch.testing.assert_close(img_t, img_c, rtol=0, atol=2e-5)
@@ -93,9 +99,11 @@ def test_triton_removal_cost_equals_the_cpu_kernels(with_target, tmp_path):
     _close(inc_t, inc_c, 2e-5)
 
 
-def test_triton_removal_cost_where_pixels_stop_and_tiles_are_partial(tmp_path):
+@pytest.mark.parametrize("kernel", ["walk", "scan"])
+def test_triton_removal_cost_where_pixels_stop_and_tiles_are_partial(kernel, tmp_path):
     """Large, overlapping Gaussians on a 40x24 view (partial tiles on the right and at the bottom): many pixels reach
-    the transmittance floor, so the walk stops there (and the whole tile's walk ends early)."""
+    the transmittance floor, so the walk stops there (and the whole tile's walk ends early), within a block of the
+    scan kernel as well as at its edge."""
     from splatflow.render import removal_loss
     from splatflow.render.constants import ALPHA_MAX, ALPHA_MIN, T_MIN
     from splatflow.render.projection import project_gaussians
@@ -113,7 +121,7 @@ def test_triton_removal_cost_where_pixels_stop_and_tiles_are_partial(tmp_path):
     stopped = torch.prod(1.0 - a.double(), dim=0) <= T_MIN
     assert stopped.float().mean() > 0.3, float(stopped.float().mean())
     img_c, inc_c = removal_loss(*args, W, H, sh_degree=1, target=target, backend="cpu")
-    img_t, inc_t = _triton_interpreted(tmp_path, args, W, H, 1, target)
+    img_t, inc_t = _triton_interpreted(tmp_path, args, W, H, 1, target, kernel)
     torch.testing.assert_close(img_t, img_c, rtol=0, atol=2e-5)
     assert (inc_c != 0).sum() > 50
     _close(inc_t, inc_c, 2e-5)
@@ -136,7 +144,10 @@ def test_cuda_triton_removal_cost_equals_the_cpu_kernels_and_a_cut_is_fast():
     """On a GPU: the compiled kernel on CUDA tensors against the CPU kernels (three views of 70x45 with pixels that
     stop early and partial tiles), and the time of one scoring pass of a prune cut's size (16 views of 800x600,
     100K Gaussians), printed for bench/RESULTS.md (``tests/test_score_torch.py`` prints the torch path's)."""
+    import time
+
     from splatflow.render import removal_loss
+    from splatflow.render.score_triton import removal_loss_triton
     from tests.test_score_torch import W, H, _scene as _scene3, cut_scene, time_cut
 
     dev = torch.device("cuda")
@@ -144,15 +155,25 @@ def test_cuda_triton_removal_cost_equals_the_cpu_kernels_and_a_cut_is_fast():
     moved = [a.to(dev) if isinstance(a, torch.Tensor) else tuple(t.to(dev) for t in a) for a in args]
     for tgt in (target, None):
         img_c, ref = removal_loss(*args, W, H, sh_degree=2, target=tgt, backend="cpu")
-        img, inc = removal_loss(*moved, W, H, sh_degree=2, target=None if tgt is None else tgt.to(dev),
-                                backend="triton")
-        assert inc.device.type == "cuda" and inc.dtype == torch.float64
-        torch.testing.assert_close(img.cpu(), img_c, rtol=0, atol=2e-5)
-        _close(inc.cpu(), ref, 2e-5)
+        for kernel in ("walk", "scan"):
+            img, inc = removal_loss_triton(*moved, W, H, sh_degree=2, target=None if tgt is None else tgt.to(dev),
+                                           kernel=kernel)
+            assert inc.device.type == "cuda" and inc.dtype == torch.float64
+            torch.testing.assert_close(img.cpu(), img_c, rtol=0, atol=2e-5)
+            _close(inc.cpu(), ref, 2e-5)
 
     big, tgt = cut_scene(dev)
-    _, inc_t = removal_loss(*big, 800, 600, sh_degree=2, target=tgt, backend="triton")
     _, inc_r = removal_loss(*big, 800, 600, sh_degree=2, target=tgt, backend="torch")
+    _, inc_t = removal_loss(*big, 800, 600, sh_degree=2, target=tgt, backend="triton")
     _close(inc_t.cpu(), inc_r.cpu(), 2e-5)  # the cut's scene too: the same score as the torch path
+    _, inc_s = removal_loss_triton(*big, 800, 600, sh_degree=2, target=tgt, kernel="scan")
+    _close(inc_s.cpu(), inc_r.cpu(), 2e-5)
     secs = time_cut(big, tgt, "triton")
-    print(f"removal cost on {torch.cuda.get_device_name()}: 16 views 800x600, 100K Gaussians: {secs:.3f} s")
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(16):
+        removal_loss_triton(*big, 800, 600, sh_degree=2, target=tgt, kernel="scan")
+    torch.cuda.synchronize()
+    scan = time.perf_counter() - t0
+    print(f"removal cost on {torch.cuda.get_device_name()}: 16 views 800x600, 100K Gaussians: {secs:.3f} s "
+          f"(walk kernel), {scan:.3f} s (scan kernel)")

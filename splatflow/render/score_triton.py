@@ -35,6 +35,8 @@ from .triton_gate import enabled as available  # noqa: F401 (this module's gate)
 from .triton_gate import tl, triton
 
 BATCH = 32  # list entries between two checks of whether every pixel of the tile has stopped
+SCAN_BLOCK = 16  # list entries per block of the scan kernel ([16, 256] per tensor: 16 registers a thread at 8 warps)
+KERNELS = ("walk", "scan")
 
 
 if triton is not None:
@@ -123,16 +125,127 @@ if triton is not None:
             s2 += c2 * fac
 
 
+    @triton.jit
+    def _tile_scores_scan(offsets_ptr, ids_ptr, ent_ptr, tgt_ptr, img_ptr, inc_ptr, W, H, tiles_x,
+                          HAS_TARGET: tl.constexpr, TILE: tl.constexpr, B: tl.constexpr,
+                          ALPHA_MIN: tl.constexpr, ALPHA_MAX: tl.constexpr, T_MIN: tl.constexpr):
+        """The same tile as :func:`_tile_scores`, its list taken ``B`` entries at a time as a ``[B, 256]`` block:
+        products and sums along the list are scans within the block (as :mod:`.score_torch` does per chunk), and
+        the ``B`` costs go out in one vector atomic, where the walk reduces over the pixels and adds once per
+        entry. Both passes run front to back: the colour behind an entry is the pixel's final colour minus what
+        the entries up to it composited."""
+        t = tl.program_id(0)
+        start = tl.load(offsets_ptr + t)
+        end = tl.load(offsets_ptr + t + 1)
+        lane = tl.arange(0, TILE * TILE)
+        px = (t % tiles_x) * TILE + lane % TILE
+        py = (t // tiles_x) * TILE + lane // TILE
+        inside = (px < W) & (py < H)
+        fx = (px.to(tl.float32) + 0.5)[None, :]  # pixel centres [1, P]
+        fy = (py.to(tl.float32) + 0.5)[None, :]
+        rows = tl.arange(0, B)
+        # pass 1: the render, and where the walk may end (every pixel inside the image stopped)
+        T = tl.full([TILE * TILE], 1.0, tl.float32)
+        acc0 = tl.zeros([TILE * TILE], dtype=tl.float32)
+        acc1 = tl.zeros([TILE * TILE], dtype=tl.float32)
+        acc2 = tl.zeros([TILE * TILE], dtype=tl.float32)
+        live = inside
+        n_live = tl.sum(live.to(tl.int32), axis=0)
+        k0 = start
+        while (k0 < end) & (n_live > 0):
+            ks = k0 + rows
+            km = ks < end
+            e = ent_ptr + ks * 9
+            dx = tl.load(e, mask=km, other=0.0)[:, None] - fx  # [B, P]
+            dy = tl.load(e + 1, mask=km, other=0.0)[:, None] - fy
+            sigma = 0.5 * (tl.load(e + 2, mask=km, other=0.0)[:, None] * dx * dx
+                           + tl.load(e + 4, mask=km, other=0.0)[:, None] * dy * dy) \
+                + tl.load(e + 3, mask=km, other=0.0)[:, None] * dx * dy
+            alpha = tl.minimum(tl.load(e + 5, mask=km, other=0.0)[:, None] * tl.exp(-sigma), ALPHA_MAX)
+            a = tl.where(km[:, None] & live[None, :] & (sigma >= 0.0) & (alpha >= ALPHA_MIN), alpha, 0.0)
+            incl = T[None, :] * tl.cumprod(1.0 - a, axis=0)  # transmittance behind each entry, before the stop
+            a = tl.where(incl > T_MIN, a, 0.0)  # the entry that would bring T to T_MIN and all behind it: out
+            live = live & (tl.min(incl, axis=0) > T_MIN)
+            incl = T[None, :] * tl.cumprod(1.0 - a, axis=0)
+            wgt = a * (incl / (1.0 - a))  # alpha times the transmittance in front
+            acc0 += tl.sum(wgt * tl.load(e + 6, mask=km, other=0.0)[:, None], axis=0)
+            acc1 += tl.sum(wgt * tl.load(e + 7, mask=km, other=0.0)[:, None], axis=0)
+            acc2 += tl.sum(wgt * tl.load(e + 8, mask=km, other=0.0)[:, None], axis=0)
+            T = tl.min(incl, axis=0)
+            n_live = tl.sum(live.to(tl.int32), axis=0)
+            k0 += B
+        stop = k0
+        pix = (py * W + px).to(tl.int64) * 3
+        tl.store(img_ptr + pix, acc0, mask=inside)
+        tl.store(img_ptr + pix + 1, acc1, mask=inside)
+        tl.store(img_ptr + pix + 2, acc2, mask=inside)
+        if HAS_TARGET:  # C - Y; zero without a target (the render itself)
+            e0 = acc0 - tl.load(tgt_ptr + pix, mask=inside, other=0.0)
+            e1 = acc1 - tl.load(tgt_ptr + pix + 1, mask=inside, other=0.0)
+            e2 = acc2 - tl.load(tgt_ptr + pix + 2, mask=inside, other=0.0)
+        else:
+            e0 = tl.zeros([TILE * TILE], dtype=tl.float32)
+            e1 = tl.zeros([TILE * TILE], dtype=tl.float32)
+            e2 = tl.zeros([TILE * TILE], dtype=tl.float32)
+        # pass 2: the same blocks again (the same alphas and stops, to the bit), now with each entry's cost
+        T = tl.full([TILE * TILE], 1.0, tl.float32)
+        f0 = tl.zeros([TILE * TILE], dtype=tl.float32)  # colour composited in front of the block
+        f1 = tl.zeros([TILE * TILE], dtype=tl.float32)
+        f2 = tl.zeros([TILE * TILE], dtype=tl.float32)
+        live = inside
+        k0 = start
+        while k0 < stop:
+            ks = k0 + rows
+            km = ks < end
+            e = ent_ptr + ks * 9
+            dx = tl.load(e, mask=km, other=0.0)[:, None] - fx
+            dy = tl.load(e + 1, mask=km, other=0.0)[:, None] - fy
+            sigma = 0.5 * (tl.load(e + 2, mask=km, other=0.0)[:, None] * dx * dx
+                           + tl.load(e + 4, mask=km, other=0.0)[:, None] * dy * dy) \
+                + tl.load(e + 3, mask=km, other=0.0)[:, None] * dx * dy
+            alpha = tl.minimum(tl.load(e + 5, mask=km, other=0.0)[:, None] * tl.exp(-sigma), ALPHA_MAX)
+            a = tl.where(km[:, None] & live[None, :] & (sigma >= 0.0) & (alpha >= ALPHA_MIN), alpha, 0.0)
+            incl = T[None, :] * tl.cumprod(1.0 - a, axis=0)
+            a = tl.where(incl > T_MIN, a, 0.0)
+            live = live & (tl.min(incl, axis=0) > T_MIN)
+            incl = T[None, :] * tl.cumprod(1.0 - a, axis=0)
+            ra = 1.0 / (1.0 - a)
+            front = incl * ra  # transmittance in front of each entry
+            wgt = a * front
+            c0 = tl.load(e + 6, mask=km, other=0.0)[:, None]
+            c1 = tl.load(e + 7, mask=km, other=0.0)[:, None]
+            c2 = tl.load(e + 8, mask=km, other=0.0)[:, None]
+            q0 = f0[None, :] + tl.cumsum(wgt * c0, axis=0)  # composited up to and with each entry
+            q1 = f1[None, :] + tl.cumsum(wgt * c1, axis=0)
+            q2 = f2[None, :] + tl.cumsum(wgt * c2, axis=0)
+            r0 = a * (c0 * front - (acc0[None, :] - q0) * ra)  # R: what removing the entry alone changes
+            r1 = a * (c1 * front - (acc1[None, :] - q1) * ra)
+            r2 = a * (c2 * front - (acc2[None, :] - q2) * ra)
+            cost = r0 * (r0 - 2.0 * e0[None, :]) + r1 * (r1 - 2.0 * e1[None, :]) + r2 * (r2 - 2.0 * e2[None, :])
+            cost = tl.sum(tl.where(inside[None, :], cost, 0.0), axis=1)  # [B]
+            g = tl.load(ids_ptr + ks, mask=km, other=0)
+            tl.atomic_add(inc_ptr + g, cost.to(tl.float64), mask=km)
+            f0 += tl.sum(wgt * c0, axis=0)
+            f1 += tl.sum(wgt * c1, axis=0)
+            f2 += tl.sum(wgt * c2, axis=0)
+            T = tl.min(incl, axis=0)
+            k0 += B
+
+
 @torch.no_grad()
 def removal_loss_triton(means: Tensor, quats: Tensor, scales: Tensor, opacities: Tensor,
                         colors: Tensor | tuple[Tensor, Tensor], viewmats: Tensor, Ks: Tensor, width: int,
                         height: int, *, sh_degree: int, target: Tensor | None = None, near_plane: float = 0.01,
-                        far_plane: float = 1e10, eps2d: float = 0.3) -> tuple[Tensor, Tensor]:
+                        far_plane: float = 1e10, eps2d: float = 0.3, kernel: str = "walk") -> tuple[Tensor, Tensor]:
     """:func:`splatflow.render.removal_loss` by the Triton kernel: ``(render [C, H, W, 3], increase [C, N])``.
 
     Same inputs and outputs as :func:`.score_torch.removal_loss_torch`; float32 Gaussians only (the kernel's type);
-    ``increase`` is float64 (each tile's sum over its pixels in float32, the tiles added in float64).
+    ``increase`` is float64 (each tile's sum over its pixels in float32, the tiles added in float64). ``kernel``:
+    ``"walk"`` (:func:`_tile_scores`, an entry at a time) or ``"scan"`` (:func:`_tile_scores_scan`, ``SCAN_BLOCK``
+    entries at a time; the same costs up to float32 rounding).
     """
+    if kernel not in KERNELS:
+        raise ValueError(f"removal_loss Triton kernel must be one of {KERNELS}, got {kernel!r}")
     if triton is None:
         raise RuntimeError("removal_loss backend 'triton' needs Triton (pip install triton; torch's CUDA builds "
                            "ship it), or use backend='torch'")
@@ -164,7 +277,12 @@ def removal_loss_triton(means: Tensor, quats: Tensor, scales: Tensor, opacities:
             continue
         packed = ent[cam][ids].contiguous()  # [M, 9] in list order
         tgt = images[cam] if target is None else target[cam].to(dev, torch.float32).contiguous()
-        _tile_scores[(tw * th,)](offsets, ids, packed, tgt, images[cam], increase[cam], width, height, tw,
-                                 HAS_TARGET=target is not None, TILE=TILE, BATCH=BATCH, ALPHA_MIN=ALPHA_MIN,
-                                 ALPHA_MAX=ALPHA_MAX, T_MIN=T_MIN, num_warps=8)
+        common = dict(HAS_TARGET=target is not None, TILE=TILE, ALPHA_MIN=ALPHA_MIN, ALPHA_MAX=ALPHA_MAX,
+                      T_MIN=T_MIN, num_warps=8)
+        if kernel == "walk":
+            _tile_scores[(tw * th,)](offsets, ids, packed, tgt, images[cam], increase[cam], width, height, tw,
+                                     BATCH=BATCH, **common)
+        else:
+            _tile_scores_scan[(tw * th,)](offsets, ids, packed, tgt, images[cam], increase[cam], width, height, tw,
+                                          B=SCAN_BLOCK, **common)
     return images.to(means.dtype), increase
