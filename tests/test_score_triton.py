@@ -128,7 +128,8 @@ def test_triton_removal_cost_where_pixels_stop_and_tiles_are_partial(kernel, tmp
 
 
 def test_triton_removal_cost_rejects_what_it_cannot_score():
-    """float64 Gaussians and a target of the wrong shape: one-line errors naming the input and the fix."""
+    """float64 Gaussians, a target of the wrong shape and an unknown kernel: one-line errors naming the input and the
+    fix."""
     from splatflow.render import removal_loss
 
     args, target = _scene(20, 32, 16, 0.1)
@@ -137,6 +138,10 @@ def test_triton_removal_cost_rejects_what_it_cannot_score():
                      backend="triton")
     with pytest.raises(ValueError, match=r"target must have shape \(1, 16, 32, 3\)"):
         removal_loss(*args, 32, 16, sh_degree=1, target=target[:, :8], backend="triton")
+    from splatflow.render.score_triton import removal_loss_triton
+
+    with pytest.raises(ValueError, match=r"one of \('walk', 'scan'\), got 'fast'"):
+        removal_loss_triton(*args, 32, 16, sh_degree=1, kernel="fast")
 
 
 @pytest.mark.cuda
@@ -144,36 +149,56 @@ def test_cuda_triton_removal_cost_equals_the_cpu_kernels_and_a_cut_is_fast():
     """On a GPU: the compiled kernel on CUDA tensors against the CPU kernels (three views of 70x45 with pixels that
     stop early and partial tiles), and the time of one scoring pass of a prune cut's size (16 views of 800x600,
     100K Gaussians), printed for bench/RESULTS.md (``tests/test_score_torch.py`` prints the torch path's)."""
+    from splatflow.render import removal_loss
+    from tests.test_score_torch import cut_scene, time_cut
+
+    _check_on_cuda("walk")
+    big, tgt = cut_scene(torch.device("cuda"))
+    _, inc_t = removal_loss(*big, 800, 600, sh_degree=2, target=tgt, backend="triton")
+    _, inc_r = removal_loss(*big, 800, 600, sh_degree=2, target=tgt, backend="torch")
+    _close(inc_t.cpu(), inc_r.cpu(), 2e-5)  # the cut's scene too: the same score as the torch path
+    secs = time_cut(big, tgt, "triton")
+    print(f"removal cost on {torch.cuda.get_device_name()}: 16 views 800x600, 100K Gaussians: {secs:.3f} s")
+
+
+@pytest.mark.cuda
+def test_cuda_scan_kernel_equals_the_cpu_kernels_and_its_cut_time():
+    """The scan kernel (``kernel="scan"``), checked and timed as the walk above; a test of its own, so that
+    ``bench/gpu_check.sh`` keeps the other Triton kernels on when only this one fails."""
     import time
 
     from splatflow.render import removal_loss
     from splatflow.render.score_triton import removal_loss_triton
-    from tests.test_score_torch import W, H, _scene as _scene3, cut_scene, time_cut
+    from tests.test_score_torch import cut_scene
+
+    _check_on_cuda("scan")
+    big, tgt = cut_scene(torch.device("cuda"))
+    _, inc_r = removal_loss(*big, 800, 600, sh_degree=2, target=tgt, backend="torch")
+    _, inc_s = removal_loss_triton(*big, 800, 600, sh_degree=2, target=tgt, kernel="scan")
+    _close(inc_s.cpu(), inc_r.cpu(), 2e-5)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(16):
+        removal_loss_triton(*big, 800, 600, sh_degree=2, target=tgt, kernel="scan")
+    torch.cuda.synchronize()
+    print(f"removal cost on {torch.cuda.get_device_name()}, scan kernel: 16 views 800x600, 100K Gaussians: "
+          f"{time.perf_counter() - t0:.3f} s")
+
+
+def _check_on_cuda(kernel: str) -> None:
+    """``kernel`` on CUDA tensors against the CPU kernels: three views of 70x45 with pixels that stop early and
+    partial tiles, with a target and against the render itself."""
+    from splatflow.render import removal_loss
+    from splatflow.render.score_triton import removal_loss_triton
+    from tests.test_score_torch import W, H, _scene as _scene3
 
     dev = torch.device("cuda")
     args, target = _scene3()
     moved = [a.to(dev) if isinstance(a, torch.Tensor) else tuple(t.to(dev) for t in a) for a in args]
     for tgt in (target, None):
         img_c, ref = removal_loss(*args, W, H, sh_degree=2, target=tgt, backend="cpu")
-        for kernel in ("walk", "scan"):
-            img, inc = removal_loss_triton(*moved, W, H, sh_degree=2, target=None if tgt is None else tgt.to(dev),
-                                           kernel=kernel)
-            assert inc.device.type == "cuda" and inc.dtype == torch.float64
-            torch.testing.assert_close(img.cpu(), img_c, rtol=0, atol=2e-5)
-            _close(inc.cpu(), ref, 2e-5)
-
-    big, tgt = cut_scene(dev)
-    _, inc_r = removal_loss(*big, 800, 600, sh_degree=2, target=tgt, backend="torch")
-    _, inc_t = removal_loss(*big, 800, 600, sh_degree=2, target=tgt, backend="triton")
-    _close(inc_t.cpu(), inc_r.cpu(), 2e-5)  # the cut's scene too: the same score as the torch path
-    _, inc_s = removal_loss_triton(*big, 800, 600, sh_degree=2, target=tgt, kernel="scan")
-    _close(inc_s.cpu(), inc_r.cpu(), 2e-5)
-    secs = time_cut(big, tgt, "triton")
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(16):
-        removal_loss_triton(*big, 800, 600, sh_degree=2, target=tgt, kernel="scan")
-    torch.cuda.synchronize()
-    scan = time.perf_counter() - t0
-    print(f"removal cost on {torch.cuda.get_device_name()}: 16 views 800x600, 100K Gaussians: {secs:.3f} s "
-          f"(walk kernel), {scan:.3f} s (scan kernel)")
+        img, inc = removal_loss_triton(*moved, W, H, sh_degree=2, target=None if tgt is None else tgt.to(dev),
+                                       kernel=kernel)
+        assert inc.device.type == "cuda" and inc.dtype == torch.float64
+        torch.testing.assert_close(img.cpu(), img_c, rtol=0, atol=2e-5)
+        _close(inc.cpu(), ref, 2e-5)

@@ -41,17 +41,59 @@ KERNELS = ("walk", "scan")
 
 if triton is not None:
     @triton.jit
+    def _tile(offsets_ptr, W, H, tiles_x, TILE: tl.constexpr):
+        """This program's tile: its list's range in the entry array, its pixels' coordinates and which of them lie
+        inside the image."""
+        t = tl.program_id(0)
+        lane = tl.arange(0, TILE * TILE)
+        px = (t % tiles_x) * TILE + lane % TILE
+        py = (t // tiles_x) * TILE + lane // TILE
+        return tl.load(offsets_ptr + t), tl.load(offsets_ptr + t + 1), px, py, (px < W) & (py < H)
+
+    @triton.jit
+    def _store_render(img_ptr, tgt_ptr, pixel, inside, acc0, acc1, acc2, HAS_TARGET: tl.constexpr,
+                      TILE: tl.constexpr):
+        """Write a tile's render (its pixels inside the image) and return its error against the target, ``C - Y``
+        per channel (zero without a target: the render itself)."""
+        pix = pixel.to(tl.int64) * 3
+        tl.store(img_ptr + pix, acc0, mask=inside)
+        tl.store(img_ptr + pix + 1, acc1, mask=inside)
+        tl.store(img_ptr + pix + 2, acc2, mask=inside)
+        if HAS_TARGET:
+            e0 = acc0 - tl.load(tgt_ptr + pix, mask=inside, other=0.0)
+            e1 = acc1 - tl.load(tgt_ptr + pix + 1, mask=inside, other=0.0)
+            e2 = acc2 - tl.load(tgt_ptr + pix + 2, mask=inside, other=0.0)
+        else:
+            e0 = tl.zeros([TILE * TILE], dtype=tl.float32)
+            e1 = tl.zeros([TILE * TILE], dtype=tl.float32)
+            e2 = tl.zeros([TILE * TILE], dtype=tl.float32)
+        return e0, e1, e2
+
+    @triton.jit
+    def _block_alphas(e, km, live, T, fx, fy, ALPHA_MIN: tl.constexpr, ALPHA_MAX: tl.constexpr,
+                      T_MIN: tl.constexpr):
+        """The alphas of a block of list entries (``e``: their rows of the entry array, ``km``: which exist) at the
+        tile's pixels ``[B, P]``, zero where an entry is skipped or lies at or behind a pixel's stop, the
+        transmittance behind each entry ``[B, P]`` and which pixels are still live after the block."""
+        dx = tl.load(e, mask=km, other=0.0)[:, None] - fx  # [B, P]
+        dy = tl.load(e + 1, mask=km, other=0.0)[:, None] - fy
+        sigma = 0.5 * (tl.load(e + 2, mask=km, other=0.0)[:, None] * dx * dx
+                       + tl.load(e + 4, mask=km, other=0.0)[:, None] * dy * dy) \
+            + tl.load(e + 3, mask=km, other=0.0)[:, None] * dx * dy
+        alpha = tl.minimum(tl.load(e + 5, mask=km, other=0.0)[:, None] * tl.exp(-sigma), ALPHA_MAX)
+        a = tl.where(km[:, None] & live[None, :] & (sigma >= 0.0) & (alpha >= ALPHA_MIN), alpha, 0.0)
+        incl = T[None, :] * tl.cumprod(1.0 - a, axis=0)  # transmittance behind each entry, before the stop
+        a = tl.where(incl > T_MIN, a, 0.0)  # the entry that would bring T to T_MIN and all behind it: out
+        live = live & (tl.min(incl, axis=0) > T_MIN)
+        incl = T[None, :] * tl.cumprod(1.0 - a, axis=0)
+        return a, incl, live
+
+    @triton.jit
     def _tile_scores(offsets_ptr, ids_ptr, ent_ptr, tgt_ptr, img_ptr, inc_ptr, W, H, tiles_x,
                      HAS_TARGET: tl.constexpr, TILE: tl.constexpr, BATCH: tl.constexpr,
                      ALPHA_MIN: tl.constexpr, ALPHA_MAX: tl.constexpr, T_MIN: tl.constexpr):
         """One tile: render its pixels into ``img`` [H, W, 3] and add each list entry's cost to ``inc[ids[k]]``."""
-        t = tl.program_id(0)
-        start = tl.load(offsets_ptr + t)
-        end = tl.load(offsets_ptr + t + 1)
-        lane = tl.arange(0, TILE * TILE)
-        px = (t % tiles_x) * TILE + lane % TILE
-        py = (t // tiles_x) * TILE + lane // TILE
-        inside = (px < W) & (py < H)
+        start, end, px, py, inside = _tile(offsets_ptr, W, H, tiles_x, TILE)
         fx = px.to(tl.float32) + 0.5  # pixel centres
         fy = py.to(tl.float32) + 0.5
         T = tl.full([TILE * TILE], 1.0, tl.float32)
@@ -82,18 +124,7 @@ if triton is not None:
                 last = tl.where(upd, k, last)
             n_live = tl.sum(live.to(tl.int32), axis=0)
             k0 = k1
-        pix = (py * W + px).to(tl.int64) * 3
-        tl.store(img_ptr + pix, acc0, mask=inside)
-        tl.store(img_ptr + pix + 1, acc1, mask=inside)
-        tl.store(img_ptr + pix + 2, acc2, mask=inside)
-        if HAS_TARGET:  # C - Y; zero without a target (the render itself)
-            e0 = acc0 - tl.load(tgt_ptr + pix, mask=inside, other=0.0)
-            e1 = acc1 - tl.load(tgt_ptr + pix + 1, mask=inside, other=0.0)
-            e2 = acc2 - tl.load(tgt_ptr + pix + 2, mask=inside, other=0.0)
-        else:
-            e0 = tl.zeros([TILE * TILE], dtype=tl.float32)
-            e1 = tl.zeros([TILE * TILE], dtype=tl.float32)
-            e2 = tl.zeros([TILE * TILE], dtype=tl.float32)
+        e0, e1, e2 = _store_render(img_ptr, tgt_ptr, py * W + px, inside, acc0, acc1, acc2, HAS_TARGET, TILE)
         # T is now each pixel's final transmittance: times the black background it adds nothing to the render or R
         s0 = tl.zeros([TILE * TILE], dtype=tl.float32)  # colour composited behind the entry
         s1 = tl.zeros([TILE * TILE], dtype=tl.float32)
@@ -134,13 +165,7 @@ if triton is not None:
         the ``B`` costs go out in one vector atomic, where the walk reduces over the pixels and adds once per
         entry. Both passes run front to back: the colour behind an entry is the pixel's final colour minus what
         the entries up to it composited."""
-        t = tl.program_id(0)
-        start = tl.load(offsets_ptr + t)
-        end = tl.load(offsets_ptr + t + 1)
-        lane = tl.arange(0, TILE * TILE)
-        px = (t % tiles_x) * TILE + lane % TILE
-        py = (t // tiles_x) * TILE + lane // TILE
-        inside = (px < W) & (py < H)
+        start, end, px, py, inside = _tile(offsets_ptr, W, H, tiles_x, TILE)
         fx = (px.to(tl.float32) + 0.5)[None, :]  # pixel centres [1, P]
         fy = (py.to(tl.float32) + 0.5)[None, :]
         rows = tl.arange(0, B)
@@ -156,17 +181,7 @@ if triton is not None:
             ks = k0 + rows
             km = ks < end
             e = ent_ptr + ks * 9
-            dx = tl.load(e, mask=km, other=0.0)[:, None] - fx  # [B, P]
-            dy = tl.load(e + 1, mask=km, other=0.0)[:, None] - fy
-            sigma = 0.5 * (tl.load(e + 2, mask=km, other=0.0)[:, None] * dx * dx
-                           + tl.load(e + 4, mask=km, other=0.0)[:, None] * dy * dy) \
-                + tl.load(e + 3, mask=km, other=0.0)[:, None] * dx * dy
-            alpha = tl.minimum(tl.load(e + 5, mask=km, other=0.0)[:, None] * tl.exp(-sigma), ALPHA_MAX)
-            a = tl.where(km[:, None] & live[None, :] & (sigma >= 0.0) & (alpha >= ALPHA_MIN), alpha, 0.0)
-            incl = T[None, :] * tl.cumprod(1.0 - a, axis=0)  # transmittance behind each entry, before the stop
-            a = tl.where(incl > T_MIN, a, 0.0)  # the entry that would bring T to T_MIN and all behind it: out
-            live = live & (tl.min(incl, axis=0) > T_MIN)
-            incl = T[None, :] * tl.cumprod(1.0 - a, axis=0)
+            a, incl, live = _block_alphas(e, km, live, T, fx, fy, ALPHA_MIN, ALPHA_MAX, T_MIN)
             wgt = a * (incl / (1.0 - a))  # alpha times the transmittance in front
             acc0 += tl.sum(wgt * tl.load(e + 6, mask=km, other=0.0)[:, None], axis=0)
             acc1 += tl.sum(wgt * tl.load(e + 7, mask=km, other=0.0)[:, None], axis=0)
@@ -175,18 +190,7 @@ if triton is not None:
             n_live = tl.sum(live.to(tl.int32), axis=0)
             k0 += B
         stop = k0
-        pix = (py * W + px).to(tl.int64) * 3
-        tl.store(img_ptr + pix, acc0, mask=inside)
-        tl.store(img_ptr + pix + 1, acc1, mask=inside)
-        tl.store(img_ptr + pix + 2, acc2, mask=inside)
-        if HAS_TARGET:  # C - Y; zero without a target (the render itself)
-            e0 = acc0 - tl.load(tgt_ptr + pix, mask=inside, other=0.0)
-            e1 = acc1 - tl.load(tgt_ptr + pix + 1, mask=inside, other=0.0)
-            e2 = acc2 - tl.load(tgt_ptr + pix + 2, mask=inside, other=0.0)
-        else:
-            e0 = tl.zeros([TILE * TILE], dtype=tl.float32)
-            e1 = tl.zeros([TILE * TILE], dtype=tl.float32)
-            e2 = tl.zeros([TILE * TILE], dtype=tl.float32)
+        e0, e1, e2 = _store_render(img_ptr, tgt_ptr, py * W + px, inside, acc0, acc1, acc2, HAS_TARGET, TILE)
         # pass 2: the same blocks again (the same alphas and stops, to the bit), now with each entry's cost
         T = tl.full([TILE * TILE], 1.0, tl.float32)
         f0 = tl.zeros([TILE * TILE], dtype=tl.float32)  # colour composited in front of the block
@@ -198,17 +202,7 @@ if triton is not None:
             ks = k0 + rows
             km = ks < end
             e = ent_ptr + ks * 9
-            dx = tl.load(e, mask=km, other=0.0)[:, None] - fx
-            dy = tl.load(e + 1, mask=km, other=0.0)[:, None] - fy
-            sigma = 0.5 * (tl.load(e + 2, mask=km, other=0.0)[:, None] * dx * dx
-                           + tl.load(e + 4, mask=km, other=0.0)[:, None] * dy * dy) \
-                + tl.load(e + 3, mask=km, other=0.0)[:, None] * dx * dy
-            alpha = tl.minimum(tl.load(e + 5, mask=km, other=0.0)[:, None] * tl.exp(-sigma), ALPHA_MAX)
-            a = tl.where(km[:, None] & live[None, :] & (sigma >= 0.0) & (alpha >= ALPHA_MIN), alpha, 0.0)
-            incl = T[None, :] * tl.cumprod(1.0 - a, axis=0)
-            a = tl.where(incl > T_MIN, a, 0.0)
-            live = live & (tl.min(incl, axis=0) > T_MIN)
-            incl = T[None, :] * tl.cumprod(1.0 - a, axis=0)
+            a, incl, live = _block_alphas(e, km, live, T, fx, fy, ALPHA_MIN, ALPHA_MAX, T_MIN)
             ra = 1.0 / (1.0 - a)
             front = incl * ra  # transmittance in front of each entry
             wgt = a * front
