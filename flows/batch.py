@@ -4,7 +4,9 @@ Each (scene, config) pair becomes its own ``reconstruct`` flow run started throu
 ``reconstruct/scene`` (``run_deployment``), so the runs spread over every worker polling the ``splatflow`` work
 pool -- on this machine or on others (docs/orchestration.md).  At most ``max_concurrent`` are in flight: Prefect
 itself enforces that, through a global concurrency limit made for this batch run (``splatflow-batch-<flow run
-id>``, shown on the UI's Concurrency page while the batch runs, removed after it) whose slot each scene holds.
+id>-<attempt>``, shown on the UI's Concurrency page while the batch runs, removed after it) whose slot each scene
+holds. Each scene's flow run is created under an idempotency key of the batch run and the scene, so that a request
+Prefect's client sends again makes no second run (:func:`launch_scene`).
 
 Rerunning a batch skips the scenes that finished: each child gets ``skip_finished`` (unless ``force``), so a scene
 whose earlier run at the same commit with the same overrides still holds (DVC finds every stage up to date with
@@ -44,18 +46,25 @@ SCENE_DEPLOYMENT = "reconstruct/scene"
 HOST_DEPLOYMENT = "reconstruct/host"
 
 
+def batch_key() -> str:
+    """This batch run's key: its flow run's id and attempt (a batch retried from the Prefect UI keeps its id and
+    counts up its attempt), or a random one outside a flow run (a direct call in a test)."""
+    from prefect.context import FlowRunContext
+
+    ctx = FlowRunContext.get()
+    if ctx is None or ctx.flow_run is None:
+        return uuid.uuid4().hex
+    return f"{ctx.flow_run.id}-{ctx.flow_run.run_count}"
+
+
 @contextlib.contextmanager
-def batch_limit(max_concurrent: int) -> Iterator[str]:
-    """A Prefect global concurrency limit of ``max_concurrent`` slots for one batch run; yields its name and
-    deletes it afterwards (a limit left by a killed batch holds no slots: their leases expire)."""
+def batch_limit(max_concurrent: int, key: str) -> Iterator[str]:
+    """A Prefect global concurrency limit of ``max_concurrent`` slots for the batch run of ``key``
+    (:func:`batch_key`); yields its name and deletes it afterwards (a limit left by a killed batch holds no slots:
+    their leases expire)."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
-    from prefect.context import get_run_context
 
-    try:
-        key = str(get_run_context().flow_run.id)
-    except Exception:  # noqa: BLE001 - outside a flow run (a direct call in a test)
-        key = uuid.uuid4().hex
     name = f"splatflow-batch-{key}"
     with get_client(sync_client=True) as client:
         client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=max(1, max_concurrent)))
@@ -67,9 +76,14 @@ def batch_limit(max_concurrent: int) -> Iterator[str]:
 
 
 @task(cache_policy=None, persist_result=False)
-def launch_scene(job: dict[str, Any], deployment: Optional[str], limit: str) -> dict[str, Any]:
+def launch_scene(job: dict[str, Any], deployment: Optional[str], limit: str, key: str) -> dict[str, Any]:
     """Start one scene flow run (through the deployment, or in-process when ``deployment`` is None) and wait,
-    holding one slot of the batch's concurrency limit while it runs."""
+    holding one slot of the batch's concurrency limit while it runs.
+
+    The flow run is created with an idempotency key (the batch's ``key`` and the job's name): Prefect's client
+    sends a request again when the server answered too late or not at all, and a creation that had gone through
+    would otherwise leave a second run of the scene queued, which a worker runs after the first (seen on a loaded
+    machine: the server took over a minute to answer, and the scene ran twice)."""
     logger = get_run_logger()
     # strict: a missing limit is an error, not a silent "no limit"; a lease renewal hiccup must not kill a scene
     # that trains for hours (the slot is then merely counted as free early).
@@ -78,11 +92,12 @@ def launch_scene(job: dict[str, Any], deployment: Optional[str], limit: str) -> 
         if deployment:
             from prefect.deployments import run_deployment
 
+            once = f"splatflow-batch-{key}-{label}"
             if job["workspace"] == "host":  # a host may disappear: the scene then reruns on another
-                fr, tries = hosts.run_on_hosts(deployment, job, label, on_line=logger.info)
+                fr, tries = hosts.run_on_hosts(deployment, job, label, on_line=logger.info, idempotency_key=once)
             else:
                 fr, tries = run_deployment(name=deployment, parameters=job, timeout=None, as_subflow=True,
-                                           flow_run_name=f"{label}"), 1
+                                           flow_run_name=f"{label}", idempotency_key=once), 1
             state = fr.state.type.value if fr.state else "UNKNOWN"
             logger.info("%s: flow run %s ended %s", label, fr.name, state)
             out = {"job": label, "flow_run_id": str(fr.id), "state": state, "attempts": tries}
@@ -149,8 +164,10 @@ def batch(scenes: Optional[list[str]] = None, sweep: Optional[list[dict[str, Any
                          "tags": {"splatflow.batch_config": str(ci)}, "skip_finished": not force})
         logger.info("batch of %d scene runs (%d scenes x %d configs), %d at a time, via %s", len(jobs), len(scenes),
                     len(configs), max_concurrent, deployment or "this process")
-        with batch_limit(max_concurrent) as limit:
-            futures = [launch_scene.with_options(task_run_name=f"launch-{j['run_name']}").submit(j, deployment, limit)
+        key = batch_key()
+        with batch_limit(max_concurrent, key) as limit:
+            futures = [launch_scene.with_options(task_run_name=f"launch-{j['run_name']}").submit(j, deployment, limit,
+                                                                                              key)
                        for j in jobs]
             results = [f.result() for f in futures]
         failed = [r for r in results if r["state"] != "COMPLETED"]

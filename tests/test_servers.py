@@ -66,6 +66,17 @@ def test_two_scene_batch_on_two_workers(stack, tmp_path):
     per_worker = [[i for i in ids if f"View at {stack['prefect'].url}/runs/flow-run/{i}" in w.log.read_text(errors="replace")]
                   for w in workers]
     assert sorted(len(x) for x in per_worker) == [1, 1], per_worker
+    # each scene's flow run was created under a key of the batch and the scene: a creation request that Prefect's
+    # client sends again (the server answered too late) returns that run instead of queueing a second run of the
+    # scene (seen on a loaded machine, 2026-12-01: scene a ran twice, two MLflow runs)
+    with get_client(sync_client=True) as client:
+        runs = [client.read_flow_run(i) for i in ids]
+        keys = [fr.idempotency_key or "" for fr in runs]
+        assert [k.rsplit("-", 1)[-1] for k in keys] == ["a", "b"]
+        assert all(k.startswith("splatflow-batch-") for k in keys)
+        again = client.create_flow_run_from_deployment(runs[0].deployment_id, parameters=runs[0].parameters,
+                                                       idempotency_key=keys[0])
+        assert again.id == runs[0].id
 
     cl = tracking.client()
     exp = tracking.experiment_id(cl)

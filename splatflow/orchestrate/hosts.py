@@ -365,10 +365,13 @@ def abandon(client: Any, flow_run_id: Any, host: str, on_line: Callable[[str], N
 
 
 def run_on_hosts(deployment: str, parameters: dict[str, Any], flow_run_name: str, *, attempts: int = 3,
-                 poll_s: float = 2.0, on_line: Callable[[str], None] = print) -> tuple[Any, int]:
+                 poll_s: float = 2.0, on_line: Callable[[str], None] = print,
+                 idempotency_key: str | None = None) -> tuple[Any, int]:
     """Start the scene through ``deployment`` and wait for it; when the host running it stops heartbeating, end that
     run (:func:`abandon`) and start the scene again, for another worker of the pool to take, up to ``attempts``
-    times.  Returns the last flow run and the number of attempts made."""
+    times.  Returns the last flow run and the number of attempts made. With ``idempotency_key`` each attempt's flow
+    run is created under that key and the attempt's number (a request the client sends again makes no second
+    run)."""
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
 
@@ -377,7 +380,8 @@ def run_on_hosts(deployment: str, parameters: dict[str, Any], flow_run_name: str
     fr = None
     for attempt in range(1, attempts + 1):
         name = flow_run_name if attempt == 1 else f"{flow_run_name}-try{attempt}"
-        fr = run_deployment(name=deployment, parameters=parameters, timeout=0, as_subflow=True, flow_run_name=name)
+        fr = run_deployment(name=deployment, parameters=parameters, timeout=0, as_subflow=True, flow_run_name=name,
+                            idempotency_key=None if idempotency_key is None else f"{idempotency_key}-try{attempt}")
         host, lost = None, None
         while True:
             time.sleep(poll_s)
