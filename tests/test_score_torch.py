@@ -154,14 +154,22 @@ def cut_scene(dev, n: int = 100_000):
                                                                                                    device=dev)
 
 
-def time_cut(args, tgt, backend: str, views: int = 16) -> float:
-    """Seconds of ``views`` scoring passes of a ``cut_scene`` (on a GPU) with ``backend``, after one untimed pass."""
+def time_cut(args, tgt, backend: str, views: int = 16, kernel: str | None = None) -> float:
+    """Seconds of ``views`` scoring passes of a ``cut_scene`` (on a GPU) with ``backend`` (or the Triton
+    ``kernel`` named), after one untimed pass."""
     import time
 
-    removal_loss(*args, 800, 600, sh_degree=2, target=tgt, backend=backend)
+    def score():
+        if kernel is None:
+            return removal_loss(*args, 800, 600, sh_degree=2, target=tgt, backend=backend)
+        from splatflow.render.score_triton import removal_loss_triton
+
+        return removal_loss_triton(*args, 800, 600, sh_degree=2, target=tgt, kernel=kernel)
+
+    score()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(views):
-        removal_loss(*args, 800, 600, sh_degree=2, target=tgt, backend=backend)
+        score()
     torch.cuda.synchronize()
     return time.perf_counter() - t0

@@ -165,24 +165,18 @@ def test_cuda_triton_removal_cost_equals_the_cpu_kernels_and_a_cut_is_fast():
 def test_cuda_scan_kernel_equals_the_cpu_kernels_and_its_cut_time():
     """The scan kernel (``kernel="scan"``), checked and timed as the walk above; a test of its own, so that
     ``bench/gpu_check.sh`` keeps the other Triton kernels on when only this one fails."""
-    import time
-
     from splatflow.render import removal_loss
     from splatflow.render.score_triton import removal_loss_triton
-    from tests.test_score_torch import cut_scene
+    from tests.test_score_torch import cut_scene, time_cut
 
     _check_on_cuda("scan")
     big, tgt = cut_scene(torch.device("cuda"))
     _, inc_r = removal_loss(*big, 800, 600, sh_degree=2, target=tgt, backend="torch")
     _, inc_s = removal_loss_triton(*big, 800, 600, sh_degree=2, target=tgt, kernel="scan")
     _close(inc_s.cpu(), inc_r.cpu(), 2e-5)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(16):
-        removal_loss_triton(*big, 800, 600, sh_degree=2, target=tgt, kernel="scan")
-    torch.cuda.synchronize()
+    secs = time_cut(big, tgt, "triton", kernel="scan")
     print(f"removal cost on {torch.cuda.get_device_name()}, scan kernel: 16 views 800x600, 100K Gaussians: "
-          f"{time.perf_counter() - t0:.3f} s")
+          f"{secs:.3f} s")
 
 
 def _check_on_cuda(kernel: str) -> None:

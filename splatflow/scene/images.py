@@ -67,6 +67,11 @@ class ImageCache:
         v = self.views[i]
         return level_size(v.width, v.height, factor)
 
+    def intrinsics(self, i: int, factor: float) -> np.ndarray:
+        """``K [3, 3]`` of view ``i`` at ``factor`` (the whole level's, as :meth:`get` returns it)."""
+        v = self.views[i]
+        return scale_intrinsics(v.K, v.width, v.height, *self.shape(i, factor))
+
     def mask(self, i: int, factor: float, window: tuple[int, int, int, int] | None = None) -> torch.Tensor | None:
         """``[H, W]`` bool keep-mask of view ``i`` at ``factor`` (None: the view has no mask), or of ``window``
         ``(x0, y0, w, h)`` of it. A pixel of a smaller level is kept only when every working-size pixel it averages
@@ -100,16 +105,13 @@ class ImageCache:
         uploaded (``[h, w, 3]``), while ``K`` stays that of the whole level: the rasterizer's ``window`` renders
         that part of the whole view with the whole view's camera.
         """
-        arr = self._get_u8(i, factor)
-        v = self.views[i]
-        h, w = arr.shape[:2]
-        src = torch.from_numpy(_crop(arr, window))
+        src = torch.from_numpy(_crop(self._get_u8(i, factor), window))
         if torch.device(device).type == "cuda":
             # from pinned memory (torch's caching host allocator) and asynchronous: a copy from pageable memory
             # waits until the GPU has run everything queued, so the host could not prepare the next step meanwhile
             src = src.contiguous().pin_memory().to(device, non_blocking=True)
         img = src.to(device).float().mul_(1.0 / 255.0)  # [H, W, 3] or [h, w, 3]
-        return img, scale_intrinsics(v.K, v.width, v.height, w, h)
+        return img, self.intrinsics(i, factor)
 
 
 def _crop(arr: np.ndarray, window: tuple[int, int, int, int] | None) -> np.ndarray:

@@ -92,6 +92,7 @@ class BudgetedDefaultStrategy(DefaultStrategy):
         self.initial_count = int(initial_count)
         self.ramp_end_iter = int(ramp_end_iter)
         self.last_event: dict | None = None
+        self._scales: dict[tuple, torch.Tensor] = {}  # _ndc_scale's tensors
 
     def cap_at(self, step: int) -> int:
         """The count allowed at ``step``: the whole cap, or with a ramp (``ramp_end_iter`` after the refine start)
@@ -136,10 +137,9 @@ class BudgetedDefaultStrategy(DefaultStrategy):
         """``[sx, sy]`` on ``like``'s device, made once per value: a tensor made from Python numbers is copied to a
         GPU with the host waiting, which every step would otherwise do (the views of a run share a few sizes)."""
         key = (sx, sy, like.device, like.dtype)
-        cache = self.__dict__.setdefault("_scales", {})
-        if key not in cache:
-            cache[key] = like.new_tensor([sx, sy])
-        return cache[key]
+        if key not in self._scales:
+            self._scales[key] = like.new_tensor([sx, sy])
+        return self._scales[key]
 
     def changes_params_at(self, step: int) -> bool:
         """Whether :meth:`step_post_backward` at ``step`` may replace or rewrite the parameters (a refine or an

@@ -11,7 +11,6 @@ import torch
 
 from splatflow.gaussians.model import SPLAT_KEYS, Splats
 from splatflow.render import rasterize
-from splatflow.scene.cameras import scale_intrinsics
 from splatflow.scene.images import ImageCache
 from splatflow.train.sparse import candidates
 from splatflow.train.windows import level_budget, patch_window
@@ -46,8 +45,7 @@ class TrainingViews:
         once per view and level."""
         ks = self._ks.get(factor)
         if ks is None:
-            ks = np.stack([scale_intrinsics(v.K, v.width, v.height, *self.cache.shape(j, factor))
-                           for j, v in enumerate(self.views)]).astype(np.float32)
+            ks = np.stack([self.cache.intrinsics(j, factor) for j in range(len(self.views))]).astype(np.float32)
             ks = self._ks[factor] = torch.as_tensor(ks, device=self.device)
         return ks
 
